@@ -1,0 +1,21 @@
+"""graphstep: capture a whole PyTorch training step into CUDA graphs, bitwise equal to eager."""
+
+from . import errors
+from .capture import CapturedStep, capture
+from .config import Config
+from .diagnostics import StepStats
+from .errors import GraphStepError
+
+__all__ = [
+    # the verb and its configuration
+    "capture",
+    "Config",
+    # what it returns
+    "CapturedStep",
+    "StepStats",
+    # errors
+    "GraphStepError",
+    "errors",
+]
+
+__version__ = "0.1.0"

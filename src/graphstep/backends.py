@@ -1,0 +1,194 @@
+"""Backends: what warm-up, capture and replay mean on a machine.
+
+- `CudaGraphBackend`: warm-up runs eagerly on a side stream with every allocation routed into
+  the step's private memory pool; capture records the step into a `torch.cuda.CUDAGraph` in
+  that pool (it executes nothing); a replay launches the graph on the caller's stream.
+- `EagerBackend`: the step simply runs, every call. Used where there is no CUDA device or the
+  step's tensors live on the CPU, so the same code runs everywhere with the same bookkeeping.
+- `RecordingBackend` (in `recording.py`): a CPU stand-in for a CUDA graph for tests.
+
+A backend hands out `Recording`s: one captured step, replayable and releasable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+
+class Recording(Protocol):
+    """One captured step."""
+
+    outputs: Any
+    """The step's outputs as captured: for a graph, the buffers every replay writes into."""
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        """Perform one step and return its outputs (for a graph: `self.outputs`, refreshed)."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+    static_buffers: bool
+    """Replays read fixed input buffers, so each call's tensors must be copied into them, and
+    write fixed output buffers, which the next replay overwrites."""
+    capture_executes: bool
+    """Capturing also performs the step (eager, recording). A CUDA capture does not: the call
+    that captures must replay once to take its step."""
+
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any: ...
+
+    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording: ...
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty tensor with `like`'s shape, dtype, device and stride, for a static input."""
+        ...
+
+    def pool_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def empty_like_strided(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+
+
+class _EagerRecording:
+    def __init__(self, fn: Callable, outputs: Any):
+        self.fn = fn
+        self.outputs = outputs
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def release(self) -> None:
+        self.outputs = None
+
+
+class EagerBackend:
+    """Runs the step eagerly on every call: for CPU tensors, or machines without CUDA."""
+
+    name = "eager"
+    static_buffers = False
+    capture_executes = True
+
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:
+        return _EagerRecording(fn, fn(*args, **kwargs))
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return empty_like_strided(like)
+
+    def pool_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+# The allocator's pool-routing calls are private and were renamed across releases; the
+# names below exist from torch 2.6 on (end: 2.6-2.7 spell it `...CurrentStreamToPool`).
+def _allocator_calls() -> tuple[Callable, Callable, Callable]:
+    C = torch._C
+    end = getattr(C, "_cuda_endAllocateToPool", None) or C._cuda_endAllocateCurrentStreamToPool
+    return C._cuda_beginAllocateToPool, end, C._cuda_releasePool
+
+
+class _CudaRecording:
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any):
+        self.graph = graph
+        self.outputs = outputs
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        self.graph.replay()
+        return self.outputs
+
+    def release(self) -> None:
+        self.graph.reset()
+        self.outputs = None
+
+
+class CudaGraphBackend:
+    """CUDA graphs in one private memory pool, with warm-up on the capture stream inside it."""
+
+    name = "cuda"
+    static_buffers = True
+    capture_executes = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.stream = torch.cuda.Stream(device=self.index)
+        # A MemPool object keeps the pool alive between warm-up and capture, so the
+        # `empty_cache` that precedes a capture cannot hand warm-up's cached blocks back to
+        # the driver: capture re-uses them and peak memory stays near eager's.
+        self.pool = torch.cuda.MemPool()
+
+    @contextlib.contextmanager
+    def _on_capture_stream(self) -> Iterator[None]:
+        caller = torch.cuda.current_stream(self.index)
+        self.stream.wait_stream(caller)
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
+
+    @contextlib.contextmanager
+    def _in_pool(self) -> Iterator[None]:
+        begin, end, release = _allocator_calls()
+        # Route every allocation on this device, the autograd engine's backward thread
+        # included, into the pool while the warm-up runs.
+        begin(self.index, self.pool.id)
+        try:
+            yield
+        finally:
+            end(self.index, self.pool.id)
+            release(self.index, self.pool.id)
+
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        with self._on_capture_stream(), self._in_pool():
+            return fn(*args, **kwargs)
+
+    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.index)
+        gc.collect()  # a collection inside capture could free memory a kernel is using
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with self._on_capture_stream():
+                graph.capture_begin(pool=self.pool.id, capture_error_mode="thread_local")
+                try:
+                    outputs = fn(*args, **kwargs)
+                except BaseException:
+                    # End the failed capture so the stream is usable again; its own error
+                    # (capture invalidated) says less than the step's, which propagates.
+                    with contextlib.suppress(Exception):
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return _CudaRecording(graph, outputs)
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type == "cpu":
+            # A graph can only copy from page-locked host memory.
+            return empty_like_strided(like).pin_memory()
+        return empty_like_strided(like)
+
+    def pool_bytes(self) -> int:
+        snapshot = torch.cuda.memory_snapshot()
+        return sum(s["total_size"] for s in snapshot if tuple(s.get("segment_pool_id", ())) == self.pool.id)
+
+    def close(self) -> None:
+        self.pool = None
+

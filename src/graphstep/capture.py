@@ -1,0 +1,373 @@
+"""`graphstep.capture`: the public verb, and `CapturedStep`, the state machine behind it.
+
+Per input signature (see `signature.py`) a step goes WARM-UP -> CAPTURED. Warm-up calls are
+real eager steps; the call after the last warm-up captures, and, since a CUDA capture executes
+nothing, replays once, so that every call performs exactly one step. Later calls with the
+same signature copy their tensors into the graph's static input buffers and replay.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import logging
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import signature as sig
+from .backends import Backend, CudaGraphBackend, EagerBackend, Recording
+from .config import Config
+from .diagnostics import StepStats, is_host_sync, likely_cause, log, where
+from .errors import (
+    CaptureError,
+    ClosedError,
+    GraphStepError,
+    HostSyncError,
+    TooManyGraphsError,
+    UnsupportedOutputError,
+)
+from .recording import RecordingBackend
+from .signature import Signature
+from .state import Snapshot, TrainingState, as_list
+
+_live_steps: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
+_MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
+
+
+def capture(
+    fn: Callable | None = None,
+    *,
+    model: torch.nn.Module | list[torch.nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    config: Config | None = None,
+) -> Any:
+    """Capture a whole training step into CUDA graphs.
+
+    Use as `@graphstep.capture`, `@graphstep.capture(model=m, optimizer=opt)`, or
+    `graphstep.capture(step_fn, ...)`. `model` and `optimizer` tell graphstep which state the
+    step trains; they are optional, but without them it cannot restore that state after a
+    failed capture. Returns a `CapturedStep` that keeps `fn`'s signature.
+    """
+    if fn is None:
+        return functools.partial(capture, model=model, optimizer=optimizer, config=config)
+    return CapturedStep(fn, model=model, optimizer=optimizer, config=config)
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One input signature: its warm-up count, then its graph and static buffers."""
+
+    signature: Signature
+    warmups: int = 0
+    buffers: list[torch.Tensor] | None = None
+    recording: Recording | None = None
+    output_spec: Any = None
+    output_tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class CapturedStep:
+    """A training step that runs as CUDA graph replays. Create it with `graphstep.capture`."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        config: Config | None = None,
+    ):
+        if not callable(fn):
+            raise TypeError(f"graphstep.capture needs a function to capture; got {type(fn).__qualname__}.")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a graphstep.Config; got {type(config).__qualname__}.")
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self.config = config or Config()
+        self._state = TrainingState(
+            modules=as_list(model, torch.nn.Module, "model"),
+            optimizers=as_list(optimizer, torch.optim.Optimizer, "optimizer"),
+        )
+        self._entries: dict[Signature, _Entry] = {}
+        self._eager_keys: set[Signature] = set()
+        self._backend: Backend | None = None
+        self._stats = StepStats()
+        self._busy = False
+        self._closed = False
+        _live_steps.add(self)
+
+    # -- public surface ---------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ClosedError(f"{self._name} was closed; capture the function again to keep training.")
+        if self._busy:
+            raise GraphStepError(f"{self._name} was called from inside itself; a step cannot nest.")
+        self._busy = True
+        try:
+            return self._call(args, kwargs)
+        finally:
+            self._busy = False
+
+    @property
+    def stats(self) -> StepStats:
+        """A copy of the counters, with the graphs alive and the pool's size read now."""
+        graphs = sum(e.recording is not None for e in self._entries.values())
+        pool = self._backend.pool_bytes() if self._backend is not None else 0
+        return dataclasses.replace(self._stats, graphs_alive=graphs, pool_bytes=pool)
+
+    @property
+    def backend_name(self) -> str | None:
+        """"cuda", "eager" or "recording" once the first call chose; None before."""
+        return self._backend.name if self._backend is not None else None
+
+    def input_buffers(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """The static input buffers for calls shaped like `args, kwargs`, as `(args, kwargs)`.
+
+        Write the next batch into them in place (`buf.copy_(batch)`, or a loader writing there)
+        and pass them back: a call with the buffers themselves copies nothing.
+        """
+        signature, leaves = Signature.of(args, kwargs)
+        entry = self._entry(signature, self._backend_for(leaves))
+        if entry is None:
+            raise TooManyGraphsError(self._too_many_message(signature))
+        return sig.unflatten(signature.spec, self._buffers(entry, leaves))
+
+    def reset(self) -> None:
+        """Drop every graph; the next call of each signature warms up again."""
+        for entry in self._entries.values():
+            if entry.recording is not None:
+                entry.recording.release()
+        self._entries.clear()
+        self._eager_keys.clear()
+
+    def close(self) -> None:
+        """Release the graphs and the memory pool. Needed before `destroy_process_group`."""
+        if self._closed:
+            return
+        self.reset()
+        if self._backend is not None:
+            self._backend.close()
+        self._closed = True
+        _live_steps.discard(self)
+
+    def __enter__(self) -> CapturedStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<graphstep.CapturedStep {self._name} backend={self.backend_name} graphs={self.stats.graphs_alive}>"
+
+    # -- the state machine --------------------------------------------------------------------
+
+    @property
+    def _name(self) -> str:
+        return getattr(self._fn, "__qualname__", repr(self._fn))
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        signature, leaves = Signature.of(args, kwargs)
+        backend = self._backend_for(leaves)
+        entry = self._entry(signature, backend)
+        if entry is None:
+            return self._run_eager(signature, args, kwargs)
+        if entry.recording is not None:
+            return self._replay(entry, leaves, args, kwargs)
+        if entry.warmups < self.config.warmup_steps:
+            return self._warm_up(entry, backend, args, kwargs)
+        return self._capture(entry, backend, leaves, args, kwargs)
+
+    def _warm_up(self, entry: _Entry, backend: Backend, args: tuple, kwargs: dict) -> Any:
+        start = time.perf_counter()
+        outputs = backend.warmup(self._fn, args, kwargs)
+        entry.warmups += 1
+        self._stats.warmup_calls += 1
+        self._stats.warmup_s += time.perf_counter() - start
+        return _detached(outputs)
+
+    def _capture(self, entry: _Entry, backend: Backend, leaves: list, args: tuple, kwargs: dict) -> Any:
+        start = time.perf_counter()
+        if backend.static_buffers:
+            args, kwargs = sig.unflatten(entry.signature.spec, self._buffers(entry, leaves))
+            self._load(entry, leaves)
+        cuda_devices = [backend.index] if isinstance(backend, CudaGraphBackend) else []
+        snapshot = Snapshot.take(self._state, cuda_devices)
+        recording = None
+        try:
+            recording = backend.capture(self._fn, args, kwargs)
+            entry.output_spec, entry.output_tensors = self._check_outputs(recording.outputs, backend)
+        except BaseException as exc:
+            if recording is not None:
+                recording.release()
+            snapshot.restore()
+            if isinstance(exc, GraphStepError) or not isinstance(exc, Exception):
+                raise
+            raise self._capture_error(exc) from exc
+        recording.outputs = sig.unflatten(entry.output_spec, entry.output_tensors)
+        entry.recording = recording
+        if isinstance(backend, CudaGraphBackend):
+            torch.cuda.synchronize(backend.index)
+        self._stats.captures += 1
+        self._stats.capture_s += time.perf_counter() - start
+        log.info("graphstep: captured %s for %s", self._name, entry.signature.describe())
+        if backend.capture_executes:
+            return self._deliver(entry, recording.outputs)
+        return self._replay(entry, leaves, args, kwargs)
+
+    def _replay(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict) -> Any:
+        start = time.perf_counter()
+        if self._backend.static_buffers:
+            self._load(entry, leaves)
+        outputs = entry.recording.replay(args, kwargs)
+        result = self._deliver(entry, outputs)
+        self._stats.replays += 1
+        self._stats.replay_s += time.perf_counter() - start
+        return result
+
+    def _run_eager(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
+        if signature not in self._eager_keys and len(self._eager_keys) < _MAX_EAGER_KEYS:
+            self._eager_keys.add(signature)
+            message = (
+                f"graphstep: {self._name} already holds max_graphs={self.config.max_graphs} graphs; "
+                f"running this call eagerly (slow) for {signature.describe()}. Pad or bucket the inputs "
+                "to fewer shapes, or raise Config.max_graphs."
+            )
+            warnings.warn(message, stacklevel=3)
+            log.warning(message)
+        self._stats.eager_calls += 1
+        return _detached(self._fn(*args, **kwargs))
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
+        if self._backend is None:
+            self._backend = _choose_backend(self.config, leaves, self._state, self._name)
+        return self._backend
+
+    def _entry(self, signature: Signature, backend: Backend) -> _Entry | None:
+        """The entry for `signature`, made if there is room; None means: run eagerly."""
+        entry = self._entries.get(signature)
+        if entry is not None:
+            return entry
+        if len(self._entries) >= self.config.max_graphs:
+            if self.config.on_too_many_graphs == "raise":
+                raise TooManyGraphsError(self._too_many_message(signature))
+            return None
+        entry = self._entries[signature] = _Entry(signature)
+        return entry
+
+    def _too_many_message(self, signature: Signature) -> str:
+        seen = "\n".join(f"  - {s.describe()}" for s in self._entries)
+        return (
+            f"{self._name} was called with a new input signature, and it already holds "
+            f"Config.max_graphs={self.config.max_graphs} graphs, one per signature:\n{seen}\n"
+            f"new: {signature.describe()}\n"
+            "Each distinct shape, dtype, stride or Python value needs its own graph. Pad or bucket "
+            "inputs to a few fixed shapes, pass changing numbers as tensors, raise max_graphs, or set "
+            'Config(on_too_many_graphs="eager") to run new signatures eagerly with a warning.'
+        )
+
+    def _buffers(self, entry: _Entry, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        if entry.buffers is None:
+            entry.buffers = [self._backend.new_buffer(t) for t in leaves]
+            for buffer, t in zip(entry.buffers, leaves):
+                buffer.requires_grad_(t.requires_grad and t.is_leaf)
+        return entry.buffers
+
+    def _load(self, entry: _Entry, leaves: list[torch.Tensor]) -> None:
+        """Copy the call's tensors into the graph's input buffers (none when they are the buffers)."""
+        with torch.no_grad():
+            for buffer, t in zip(entry.buffers, leaves):
+                if t is not buffer:
+                    if buffer.is_pinned():
+                        # The previous replay may still be reading this host buffer.
+                        torch.cuda.current_stream(self._backend.index).synchronize()
+                    buffer.copy_(t)
+
+    def _check_outputs(self, outputs: Any, backend: Backend) -> tuple[Any, list[torch.Tensor]]:
+        tensors, spec = sig.flatten(outputs)
+        metas = iter(tensors)
+        for path, leaf in sig.paths(spec, "output"):
+            if sig.is_tensor_leaf(leaf):
+                t = next(metas)
+                if isinstance(backend, CudaGraphBackend) and t.device.type != "cuda":
+                    raise UnsupportedOutputError(
+                        f"{self._name} returns a {t.device.type} tensor at {path}. A CUDA graph replays only "
+                        "device work, so this value would stay what it was at capture. Return it on the GPU."
+                    )
+            elif sig.value_of(leaf) is not None:
+                value = sig.value_of(leaf)
+                raise UnsupportedOutputError(
+                    f"{self._name} returns a {type(value).__name__} ({value!r}) at {path}. A replay runs no "
+                    "Python, so it cannot compute this value again: every replay would return the value "
+                    "from capture. Return a tensor instead (for example torch.as_tensor(x, device=...)), or "
+                    "compute the value outside the step."
+                )
+        return spec, [t.detach() for t in tensors]
+
+    def _deliver(self, entry: _Entry, outputs: Any) -> Any:
+        if not self._backend.static_buffers:
+            return _detached(outputs)
+        if self.config.outputs == "graph":
+            return outputs
+        return sig.unflatten(entry.output_spec, [t.clone() for t in entry.output_tensors])
+
+    def _capture_error(self, exc: Exception) -> CaptureError:
+        cause = likely_cause(exc)
+        kind = HostSyncError if is_host_sync(exc) else CaptureError
+        return kind(
+            f"capturing {self._name} failed at {where(exc.__traceback__)}.\n"
+            f"Likely cause: {cause}.\n"
+            f"Original error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
+            "Nothing was lost: the model, optimizer and inputs are as they were before this call, and the "
+            "step can be called again."
+        )
+
+
+def _detached(outputs: Any) -> Any:
+    tensors, spec = sig.flatten(outputs)
+    if not tensors:
+        return outputs
+    return sig.unflatten(spec, [t.detach() for t in tensors])
+
+
+def _choose_backend(config: Config, leaves: list[torch.Tensor], state: TrainingState, name: str) -> Backend:
+    if config.backend == "eager":
+        return EagerBackend()
+    if config.backend == "recording":
+        return RecordingBackend()
+    devices = {t.device for t in leaves} | state.devices()
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    if len({d.index for d in cuda}) > 1:
+        raise GraphStepError(
+            f"{name}'s tensors are on several CUDA devices ({', '.join(map(str, cuda))}); one captured step "
+            "runs on one device. Use one process per GPU (DDP, FSDP) instead."
+        )
+    if cuda and torch.cuda.is_available():
+        return CudaGraphBackend(cuda[0])
+    if config.backend == "cuda":
+        raise GraphStepError(
+            f'Config(backend="cuda") but {name} has no CUDA tensors (inputs, model= or optimizer=) '
+            f"or CUDA is not available (torch.cuda.is_available() = {torch.cuda.is_available()})."
+        )
+    reason = "CUDA is not available" if not torch.cuda.is_available() else "the step's tensors are on the CPU"
+    if not devices:
+        reason = "graphstep sees no tensors (pass model=, optimizer= or tensor arguments)"
+    log.info("graphstep: %s, so %s runs eagerly (same API and checks, no graphs).", reason, name)
+    return EagerBackend()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Graphs alive at interpreter exit can hang or crash teardown (NCCL, the allocator).
+    for step in list(_live_steps):
+        try:
+            step.close()
+        except Exception as exc:  # exit must go on
+            logging.getLogger("graphstep").warning("graphstep: closing %r at exit failed: %s", step, exc)

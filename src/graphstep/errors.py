@@ -1,0 +1,39 @@
+"""Errors graphstep raises. Every message says what went wrong, where, and what to do."""
+
+from __future__ import annotations
+
+
+class GraphStepError(RuntimeError):
+    """Base class of every error graphstep raises on purpose."""
+
+
+class CaptureError(GraphStepError):
+    """The step could not be captured into a CUDA graph. State was left as before the call."""
+
+
+class HostSyncError(CaptureError):
+    """The step synchronises with the host (`.item()`, `.cpu()`, `print(tensor)`, ...)."""
+
+
+class TooManyGraphsError(GraphStepError):
+    """More distinct input signatures than `Config.max_graphs` allows."""
+
+
+class UnsupportedOutputError(CaptureError):
+    """The step returns a value that a replay cannot reproduce (a Python number, a string, ...)."""
+
+
+class UnsupportedInputError(GraphStepError):
+    """An argument cannot be part of a graph's key (for example an unhashable Python object)."""
+
+
+class StaleGraphError(GraphStepError):
+    """State a graph depends on changed and re-capturing is not allowed (or past its limit)."""
+
+
+class VerificationError(GraphStepError):
+    """`Config.verify_every` found a replay that differs from eager execution."""
+
+
+class ClosedError(GraphStepError):
+    """The captured step was closed; create a new one."""

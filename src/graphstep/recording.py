@@ -1,0 +1,154 @@
+"""`RecordingBackend`: a CPU stand-in for a CUDA graph, for tests of everything around capture.
+
+A CUDA graph remembers kernels with their arguments: memory addresses and Python numbers
+baked in at capture. This backend gives CPU tests the same semantics. At capture it runs
+the step under a dispatch mode that records every ATen operation with its arguments, holding
+each tensor through a detached alias (so its *storage* is what is remembered, as a graph
+remembers an address). A replay re-runs exactly those operations on exactly that memory,
+writing fresh results into the recorded output buffers. Hence the pitfalls of real graphs
+show up on a CPU: a parameter whose `.data` was replaced is not updated, a float
+learning rate changed by hand is ignored, and a result read with `.item()` cannot be captured.
+
+Capture raises for operations that would synchronise a CUDA stream with the host, as a real
+capture does, and undoes the writes the step made before it failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .backends import empty_like_strided
+
+aten = torch.ops.aten
+
+# Operations whose result a CUDA stream cannot produce without the host waiting for it.
+HOST_SYNC_OPS = {
+    aten._local_scalar_dense.default,  # .item(), float(t), print(t), if t: ...
+    aten.nonzero.default,  # data-dependent shape
+    aten.masked_select.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+}
+
+
+def _writes(func: torch._ops.OpOverload) -> list[int]:
+    """Positions of the arguments an operation writes to (in-place and out= arguments)."""
+    return [
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+        self._aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.undo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._saved: set[tuple[int, int]] = set()
+
+    def alias(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        known = self._aliases.get(id(x))
+        if known is None:
+            # Keep `x` itself too, so its id is not reused by another tensor while recording.
+            known = self._aliases[id(x)] = (x, x.detach())
+        return known[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_SYNC_OPS:
+            raise RuntimeError(
+                f"operation not permitted when stream is capturing: {func} needs a tensor's value on "
+                "the host (simulated by graphstep's recording backend)"
+            )
+        self._remember_before_write(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.ops.append((func, tree_map(self.alias, args), tree_map(self.alias, kwargs), tree_map(self.alias, out)))
+        return out
+
+    def _remember_before_write(self, func, args: tuple, kwargs: dict) -> None:
+        names = [a.name for a in func._schema.arguments]
+        for i in _writes(func):
+            value = args[i] if i < len(args) else kwargs.get(names[i])
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    key = (t.untyped_storage().data_ptr(), t.storage_offset())
+                    if key not in self._saved:
+                        self._saved.add(key)
+                        self.undo.append((t.detach(), t.detach().clone()))
+
+    def roll_back(self) -> None:
+        """Put back every tensor the recorded part of the step wrote to."""
+        with torch.no_grad():
+            for target, saved in reversed(self.undo):
+                target.copy_(saved)
+
+
+class _OpRecording:
+    def __init__(self, ops: list, outputs: Any):
+        self.ops = ops
+        self.outputs = outputs
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        # Recorded operations sit below autograd and autocast: run them as they are.
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            for func, op_args, op_kwargs, recorded in self.ops:
+                result = func(*op_args, **op_kwargs)
+                returns = func._schema.returns
+                if not returns:
+                    continue
+                if len(returns) == 1:
+                    recorded, result = (recorded,), (result,)
+                for ret, buffers, values in zip(returns, recorded, result):
+                    if ret.alias_info is not None:
+                        continue  # a view or an input written in place: nothing new to copy
+                    if isinstance(buffers, torch.Tensor):
+                        buffers, values = (buffers,), (values,)
+                    elif not isinstance(buffers, (list, tuple)):
+                        continue
+                    for buffer, value in zip(buffers, values):
+                        buffer.copy_(value)
+        return self.outputs
+
+    def release(self) -> None:
+        self.ops = []
+        self.outputs = None
+
+
+class RecordingBackend:
+    """Capture records the step's ATen operations; a replay re-runs them on the same memory."""
+
+    name = "recording"
+    static_buffers = True
+    capture_executes = True
+
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> _OpRecording:
+        recorder = _Recorder()
+        try:
+            with recorder:
+                outputs = fn(*args, **kwargs)
+        except BaseException:
+            recorder.roll_back()
+            raise
+        # The outputs share storage with the recorded buffers that replays overwrite.
+        return _OpRecording(recorder.ops, outputs)
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return empty_like_strided(like)
+
+    def pool_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

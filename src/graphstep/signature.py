@@ -1,0 +1,160 @@
+"""Pytrees of a step's arguments and results, and the key that picks a graph.
+
+A call's arguments are flattened into tensor leaves and a hashable *spec* (the structure
+with every non-tensor value inside it). The key of a graph is the spec plus each tensor's
+shape, dtype, device, stride and requires_grad: two calls with the same key can replay the
+same graph, any difference needs another graph. Tuples, lists, dicts, namedtuples and
+dataclasses are containers; everything else that is not a tensor is a Python value that
+becomes part of the key, so it must be hashable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from .errors import UnsupportedInputError
+
+_TENSOR = "<tensor>"  # a spec's placeholder for a tensor leaf
+
+
+class TensorMeta(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(t.shape), t.dtype, t.device, t.stride(), t.requires_grad)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        grad = ", requires_grad" if self.requires_grad else ""
+        return f"{dtype}{list(self.shape)} on {self.device}{grad}"
+
+
+def flatten(tree: Any) -> tuple[list[torch.Tensor], Any]:
+    """Split `tree` into its tensor leaves (in order) and a hashable spec of everything else."""
+    leaves: list[torch.Tensor] = []
+    return leaves, _flatten(tree, leaves)
+
+
+def _flatten(node: Any, leaves: list[torch.Tensor]) -> Any:
+    if isinstance(node, torch.Tensor):
+        leaves.append(node)
+        return _TENSOR
+    kind = type(node)
+    if kind is tuple or kind is list:
+        return (kind, tuple(_flatten(child, leaves) for child in node))
+    if kind is dict:
+        return (dict, tuple(node), tuple(_flatten(child, leaves) for child in node.values()))
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
+        return (kind, tuple(_flatten(child, leaves) for child in node))
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        names = tuple(f.name for f in dataclasses.fields(node) if f.init)
+        return (kind, names, tuple(_flatten(getattr(node, n), leaves) for n in names))
+    # A Python value: kept in the key with its type, so that 1, 1.0 and True differ.
+    return ("value", kind, node)
+
+
+def unflatten(spec: Any, leaves: list[torch.Tensor] | Iterator[Any]) -> Any:
+    """Rebuild the tree of `spec`, taking tensor leaves from `leaves` in order."""
+    return _unflatten(spec, iter(leaves))
+
+
+def _unflatten(spec: Any, leaves: Iterator[Any]) -> Any:
+    if spec is _TENSOR:
+        return next(leaves)
+    kind = spec[0]
+    if kind == "value":
+        return spec[2]
+    if kind is tuple or kind is list:
+        return kind(_unflatten(child, leaves) for child in spec[1])
+    if kind is dict:
+        return {k: _unflatten(child, leaves) for k, child in zip(spec[1], spec[2])}
+    if dataclasses.is_dataclass(kind):
+        return kind(**{n: _unflatten(child, leaves) for n, child in zip(spec[1], spec[2])})
+    return kind(*(_unflatten(child, leaves) for child in spec[1]))  # namedtuple
+
+
+def paths(spec: Any, root: str) -> Iterator[tuple[str, Any]]:
+    """Yield `(path, leaf_spec)` for every leaf, paths written the way Python would index them."""
+    if spec is _TENSOR or spec[0] == "value":
+        yield root, spec
+        return
+    kind = spec[0]
+    if kind is dict:
+        for k, child in zip(spec[1], spec[2]):
+            yield from paths(child, f"{root}[{k!r}]")
+    elif dataclasses.is_dataclass(kind):
+        for n, child in zip(spec[1], spec[2]):
+            yield from paths(child, f"{root}.{n}")
+    else:
+        for i, child in enumerate(spec[1]):
+            yield from paths(child, f"{root}[{i}]")
+
+
+def is_tensor_leaf(leaf_spec: Any) -> bool:
+    return leaf_spec is _TENSOR
+
+
+def value_of(leaf_spec: Any) -> Any:
+    """The Python value of a non-tensor leaf spec."""
+    return leaf_spec[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What makes two calls replayable by one graph: the arguments' spec and their tensors' metadata."""
+
+    spec: Any
+    tensors: tuple[TensorMeta, ...]
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> tuple[Signature, list[torch.Tensor]]:
+        leaves, spec = flatten((args, kwargs))
+        sig = cls(spec, tuple(TensorMeta.of(t) for t in leaves))
+        try:
+            hash(sig)
+        except TypeError:
+            raise UnsupportedInputError(_unhashable_message(spec)) from None
+        return sig, leaves
+
+    def describe(self) -> str:
+        """One line per leaf: `x: bfloat16[8, 64] on cuda:0`, `n: int 4`."""
+        metas = iter(self.tensors)
+        parts = []
+        for path, leaf in _argument_paths(self.spec):
+            if is_tensor_leaf(leaf):
+                parts.append(f"{path}: {next(metas)}")
+            else:
+                parts.append(f"{path}: {type(value_of(leaf)).__name__} {value_of(leaf)!r}")
+        return ", ".join(parts) or "(no arguments)"
+
+
+def _argument_paths(spec: Any) -> Iterator[tuple[str, Any]]:
+    """Paths of a call's `(args, kwargs)` spec, named `args[0]...` and `kwargs['x']...`."""
+    args_spec, kwargs_spec = spec[1]
+    yield from paths(args_spec, "args")
+    yield from paths(kwargs_spec, "kwargs")
+
+
+def _unhashable_message(spec: Any) -> str:
+    for path, leaf in _argument_paths(spec):
+        if not is_tensor_leaf(leaf):
+            try:
+                hash(value_of(leaf))
+            except TypeError:
+                kind = type(value_of(leaf)).__name__
+                return (
+                    f"argument {path} is a {kind}, which is neither a tensor, a container graphstep "
+                    "understands (tuple, list, dict, namedtuple, dataclass), nor hashable. Python values "
+                    "are part of a graph's key, so they must be hashable: pass a tensor, a hashable "
+                    "value, or close over the object instead of passing it."
+                )
+    return "the arguments cannot be hashed into a graph key"

@@ -1,0 +1,95 @@
+"""The training state a step works on: its modules and optimizers, and how to put it back.
+
+A CUDA capture executes no kernel, so tensor *values* are untouched when it fails; but the
+Python side of the step did run: backward attached fresh (uninitialised) `.grad` tensors,
+the optimizer may have added state entries, a module may have switched mode. `Snapshot`
+records those references before a capture and puts them back if it fails, so the model and
+optimizer are exactly as they were before the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedInputError
+
+
+def as_list(value: object, kind: type, what: str) -> list:
+    """`model=` and `optimizer=` take one object or several."""
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if not isinstance(item, kind):
+            raise UnsupportedInputError(
+                f"capture({what}=...) takes a {kind.__module__}.{kind.__qualname__} or a list of them; "
+                f"got {type(item).__qualname__}."
+            )
+    return items
+
+
+@dataclasses.dataclass
+class TrainingState:
+    modules: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter of the modules and optimizers, each once, in a stable order."""
+        seen: dict[int, torch.Tensor] = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def devices(self) -> set[torch.device]:
+        found = {p.device for p in self.parameters()}
+        for m in self.modules:
+            found.update(b.device for b in m.buffers())
+        return found
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Python references a step can change even when none of its kernels ran."""
+
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]]
+    optimizer_state: list[tuple[torch.optim.Optimizer, dict, list[dict]]]
+    training: list[tuple[nn.Module, bool]]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def take(cls, state: TrainingState, cuda_devices: Iterable[int] = ()) -> Snapshot:
+        return cls(
+            grads=[(p, p.grad) for p in state.parameters()],
+            optimizer_state=[
+                (opt, {p: dict(s) for p, s in opt.state.items()}, [dict(g) for g in opt.param_groups])
+                for opt in state.optimizers
+            ],
+            training=[(m, m.training) for root in state.modules for m in root.modules()],
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=[(i, torch.cuda.get_rng_state(i)) for i in cuda_devices],
+        )
+
+    def restore(self) -> None:
+        for p, grad in self.grads:
+            p.grad = grad
+        for opt, saved_state, saved_groups in self.optimizer_state:
+            opt.state.clear()
+            opt.state.update({p: dict(s) for p, s in saved_state.items()})
+            for group, saved in zip(opt.param_groups, saved_groups):
+                group.clear()
+                group.update(saved)
+        for m, training in self.training:
+            m.training = training
+        torch.set_rng_state(self.cpu_rng)
+        for i, rng in self.cuda_rng:
+            torch.cuda.set_rng_state(rng, i)
