@@ -127,10 +127,32 @@ class CudaGraphBackend:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.stream = torch.cuda.Stream(device=self.index)
-        # A MemPool object keeps the pool alive between warm-up and capture, so the
-        # `empty_cache` that precedes a capture cannot hand warm-up's cached blocks back to
-        # the driver: capture re-uses them and peak memory stays near eager's.
-        self.pool = torch.cuda.MemPool()
+        # One reference to the pool, held until close(), keeps it alive between warm-up and
+        # capture: an `empty_cache` in between cannot hand warm-up's cached blocks back to
+        # the driver, so capture re-uses them and peak memory stays near eager's.
+        self.pool = self._new_pool()
+        self._prime_library_workspaces()
+
+    def _new_pool(self) -> tuple[int, int]:
+        pool = torch.cuda.graph_pool_handle()
+        begin, end, _ = _allocator_calls()
+        begin(self.index, pool)
+        end(self.index, pool)
+        return pool
+
+    def _prime_library_workspaces(self) -> None:
+        """Make cuBLAS allocate this stream's workspaces now, outside the pool.
+
+        cuBLAS keeps one workspace per stream for the life of the process (32 MiB with
+        CUBLAS_WORKSPACE_CONFIG=:4096:8). Created during warm-up it would sit in the pool
+        forever and `close()` could never give the pool back.
+        """
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            w = torch.ones(8, 8, device=self.device, requires_grad=True)
+            # Forward runs on this thread, backward on autograd's device thread: each has
+            # its own cuBLAS handle, hence its own workspace. Linear with a bias takes cuBLASLt.
+            (torch.mm(w, w).sum() + torch.nn.functional.linear(w, w, w[0]).sum()).backward()
+        self.stream.synchronize()
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:
@@ -145,12 +167,12 @@ class CudaGraphBackend:
         begin, end, release = _allocator_calls()
         # Route every allocation on this device, the autograd engine's backward thread
         # included, into the pool while the warm-up runs.
-        begin(self.index, self.pool.id)
+        begin(self.index, self.pool)
         try:
             yield
         finally:
-            end(self.index, self.pool.id)
-            release(self.index, self.pool.id)
+            end(self.index, self.pool)
+            release(self.index, self.pool)
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         with self._on_capture_stream(), self._in_pool():
@@ -164,20 +186,31 @@ class CudaGraphBackend:
         gc.disable()
         try:
             with self._on_capture_stream():
-                graph.capture_begin(pool=self.pool.id, capture_error_mode="thread_local")
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     outputs = fn(*args, **kwargs)
                 except BaseException:
                     # End the failed capture so the stream is usable again; its own error
-                    # (capture invalidated) says less than the step's, which propagates.
+                    # (capture invalidated) says less than the step's, which propagates. A
+                    # failing capture_end skips un-routing the pool, so do that here too.
                     with contextlib.suppress(Exception):
                         graph.capture_end()
+                    self._abandon_pool()
                     raise
                 graph.capture_end()
         finally:
             if gc_was_enabled:
                 gc.enable()
         return _CudaRecording(graph, outputs)
+
+    def _abandon_pool(self) -> None:
+        """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
+        "beginAllocateToPool: already recording"), so later warm-ups and captures use a fresh
+        pool. Graphs captured earlier keep the old one alive for as long as they live."""
+        with contextlib.suppress(Exception):
+            _allocator_calls()[1](self.index, self.pool)
+        _allocator_calls()[2](self.index, self.pool)
+        self.pool = self._new_pool()
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         if like.device.type == "cpu":
@@ -187,8 +220,12 @@ class CudaGraphBackend:
 
     def pool_bytes(self) -> int:
         snapshot = torch.cuda.memory_snapshot()
-        return sum(s["total_size"] for s in snapshot if tuple(s.get("segment_pool_id", ())) == self.pool.id)
+        return sum(s["total_size"] for s in snapshot if tuple(s.get("segment_pool_id", ())) == self.pool)
 
     def close(self) -> None:
-        self.pool = None
+        # Graphs were reset already; dropping the last reference makes the pool's memory
+        # free for the next `torch.cuda.empty_cache()`.
+        if self.pool is not None:
+            _allocator_calls()[2](self.index, self.pool)
+            self.pool = None
 

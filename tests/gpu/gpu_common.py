@@ -1,0 +1,73 @@
+"""Shared pieces of the GPU tests: a deterministic GPT set-up and an eager-vs-graphstep runner."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import graphstep
+from graphstep.demo.gpt import GPT, GPTConfig, make_batches
+
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SMALL = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def gpt_pair(cfg: GPTConfig = SMALL, **adamw) -> tuple[tuple, tuple]:
+    """Two identical (model, AdamW) pairs on the GPU: one for eager, one for graphstep."""
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    twin = copy.deepcopy(model)
+    options = {"lr": 1e-3, "capturable": True, **adamw}
+    return (model, torch.optim.AdamW(model.parameters(), **options)), (
+        twin,
+        torch.optim.AdamW(twin.parameters(), **options),
+    )
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def batches(n: int, batch_size: int = 4, cfg: GPTConfig = SMALL, seed: int = 0) -> list:
+    return make_batches(cfg, batch_size=batch_size, n_batches=n, seed=seed, device="cuda")
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"parameter {name} differs: max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def assert_same_losses(eager: list, graphed: list) -> None:
+    for i, (e, g) in enumerate(zip(eager, graphed, strict=True)):
+        assert torch.equal(e, g), f"step {i}: eager loss {e.item()!r} != graphstep loss {g.item()!r}"
+
+
+def run(step: Callable, data: list) -> list[torch.Tensor]:
+    return [step(x, y) for x, y in data]
+
+
+__all__ = ["graphstep"]
