@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .undo import UndoLog
+
 
 class Recording(Protocol):
     """One captured step."""
@@ -82,7 +84,15 @@ class EagerBackend:
         return fn(*args, **kwargs)
 
     def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:
-        return _EagerRecording(fn, fn(*args, **kwargs))
+        # The step runs here; if it (or the check of its outputs) fails, take its writes back.
+        undo = UndoLog()
+        try:
+            with undo:
+                outputs = fn(*args, **kwargs)
+        except BaseException:
+            undo.roll_back()
+            raise
+        return _EagerRecording(fn, outputs)
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return empty_like_strided(like)
@@ -228,4 +238,3 @@ class CudaGraphBackend:
         if self.pool is not None:
             _allocator_calls()[2](self.index, self.pool)
             self.pool = None
-

@@ -123,7 +123,7 @@ class CapturedStep:
 
     @property
     def backend_name(self) -> str | None:
-        """"cuda", "eager" or "recording" once the first call chose; None before."""
+        """ "cuda", "eager" or "recording" once the first call chose; None before."""
         return self._backend.name if self._backend is not None else None
 
     def input_buffers(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -198,13 +198,16 @@ class CapturedStep:
             self._load(entry, leaves)
         cuda_devices = [backend.index] if isinstance(backend, CudaGraphBackend) else []
         snapshot = Snapshot.take(self._state, cuda_devices)
-        recording = None
+
+        def checked_step(*a: Any, **k: Any) -> Any:
+            # Inside the capture, so that a refused output also undoes what the step did.
+            outputs = self._fn(*a, **k)
+            entry.output_spec, entry.output_tensors = self._check_outputs(outputs, backend)
+            return outputs
+
         try:
-            recording = backend.capture(self._fn, args, kwargs)
-            entry.output_spec, entry.output_tensors = self._check_outputs(recording.outputs, backend)
+            recording = backend.capture(checked_step, args, kwargs)
         except BaseException as exc:
-            if recording is not None:
-                recording.release()
             snapshot.restore()
             if isinstance(exc, GraphStepError) or not isinstance(exc, Exception):
                 raise

@@ -45,7 +45,9 @@ def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
     found = None
     for frame in traceback.extract_tb(tb):
         path = os.path.abspath(frame.filename)
-        library = path.startswith(_TORCH_DIR) or (path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR))
+        library = path.startswith(_TORCH_DIR) or (
+            path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR)
+        )
         if not library:
             found = frame
     return found

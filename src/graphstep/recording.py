@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from .backends import empty_like_strided
+from .undo import UndoLog
 
 aten = torch.ops.aten
 
@@ -36,22 +36,11 @@ HOST_SYNC_OPS = {
 }
 
 
-def _writes(func: torch._ops.OpOverload) -> list[int]:
-    """Positions of the arguments an operation writes to (in-place and out= arguments)."""
-    return [
-        i
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
-
-
-class _Recorder(TorchDispatchMode):
+class _Recorder(UndoLog):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple, dict, Any]] = []
         self._aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.undo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._saved: set[tuple[int, int]] = set()
 
     def alias(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -69,27 +58,12 @@ class _Recorder(TorchDispatchMode):
                 f"operation not permitted when stream is capturing: {func} needs a tensor's value on "
                 "the host (simulated by graphstep's recording backend)"
             )
-        self._remember_before_write(func, args, kwargs)
+        self.before(func, args, kwargs)
         out = func(*args, **kwargs)
-        self.ops.append((func, tree_map(self.alias, args), tree_map(self.alias, kwargs), tree_map(self.alias, out)))
+        self.ops.append(
+            (func, tree_map(self.alias, args), tree_map(self.alias, kwargs), tree_map(self.alias, out))
+        )
         return out
-
-    def _remember_before_write(self, func, args: tuple, kwargs: dict) -> None:
-        names = [a.name for a in func._schema.arguments]
-        for i in _writes(func):
-            value = args[i] if i < len(args) else kwargs.get(names[i])
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(t, torch.Tensor):
-                    key = (t.untyped_storage().data_ptr(), t.storage_offset())
-                    if key not in self._saved:
-                        self._saved.add(key)
-                        self.undo.append((t.detach(), t.detach().clone()))
-
-    def roll_back(self) -> None:
-        """Put back every tensor the recorded part of the step wrote to."""
-        with torch.no_grad():
-            for target, saved in reversed(self.undo):
-                target.copy_(saved)
 
 
 class _OpRecording:

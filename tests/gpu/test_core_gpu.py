@@ -145,7 +145,9 @@ def test_close_gives_the_pool_memory_back():
     # workspaces of the capture stream (CUBLAS_WORKSPACE_CONFIG=:4096:8 -> 32 MiB each).
     allowance = 2 * 32 * 2**20 + 2 * 2**20
     after = torch.cuda.memory_reserved()
-    assert after <= baseline + allowance, f"reserved {baseline} before, {after} after close (pool held {held})"
+    assert after <= baseline + allowance, (
+        f"reserved {baseline} before, {after} after close (pool held {held})"
+    )
 
 
 def test_stats_count_every_call_once():

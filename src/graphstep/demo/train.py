@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +33,7 @@ LR = 3e-4
 CLIP_NORM = 1.0
 DEFAULT_STEPS = 300
 DEFAULT_STEPS_CPU = 200
-"""Two runs of 200 steps take about 15 s on 2 CPU cores (tiny GPT, batch 8): well under a minute."""
+"""Both runs of 200 steps together take about 20 s on 2 CPU cores (tiny GPT, batch 8): well under a minute."""
 BATCH_SIZE = 8
 WARMUP_STEPS = 3
 
@@ -70,6 +71,7 @@ def make_train_step(model: nn.Module, opt: torch.optim.Optimizer, *, amp: bool) 
         opt.zero_grad(set_to_none=True)
         return loss
 
+    train_step.__qualname__ = "train_step"  # how graphstep's log lines name it
     return train_step
 
 
@@ -115,7 +117,9 @@ def run_demo(steps: int | None = None, device: str | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        print(f"graphstep demo: --device {device} asked for CUDA, but torch sees no CUDA GPU.", file=sys.stderr)
+        print(
+            f"graphstep demo: --device {device} asked for CUDA, but torch sees no CUDA GPU.", file=sys.stderr
+        )
         return 2
     if steps is None:
         steps = DEFAULT_STEPS if dev.type == "cuda" else DEFAULT_STEPS_CPU
@@ -150,56 +154,60 @@ def _compare(*, steps: int, device: torch.device) -> int:
         f"{', bf16 autocast' if amp else ''}, on {where}."
     )
     if device.type != "cuda":
+        why = "--device is the CPU" if torch.cuda.is_available() else "CUDA is not available"
         print(
-            "CUDA is not available, so graphstep runs its eager backend: no CUDA graphs, both runs execute "
-            "the same eager code and the speed-up is about 1x. The bitwise-equality check still runs."
+            f"{why}, so graphstep runs its eager backend: no CUDA graphs, both runs execute the same "
+            "eager code and the speed-up is about 1x. The bitwise-equality check still runs."
         )
 
-    eager = _train("eager", make_train_step(model, make_optimizer(model, device), amp=amp), model, batches, device)
+    eager = _train(
+        "eager", make_train_step(model, make_optimizer(model, device), amp=amp), model, batches, device
+    )
 
     twin_opt = make_optimizer(twin, device)
     config = graphstep.Config(warmup_steps=WARMUP_STEPS, outputs="clone")
-    step = graphstep.capture(make_train_step(twin, twin_opt, amp=amp), model=twin, optimizer=twin_opt, config=config)
+    step = graphstep.capture(
+        make_train_step(twin, twin_opt, amp=amp), model=twin, optimizer=twin_opt, config=config
+    )
     try:
         graphed = _train("graphstep", step, twin, batches, device)
-        stats, backend = step.stats, step.backend_name
-        pool_bytes = stats.pool_bytes
+        stats, backend = step.stats, step.backend_name  # stats is a snapshot: taken before close()
     finally:
         step.close()
 
     _print_losses(eager, graphed)
     _print_speed(eager, graphed, device)
+    fallback = f", {stats.eager_calls} eager fallback calls" if stats.eager_calls else ""
+    pool = f", memory pool {stats.pool_bytes / 2**20:.1f} MiB" if backend == "cuda" else ""
     print(
         f"graphstep ({backend} backend): {stats.warmup_calls} warm-up calls ({stats.warmup_s:.2f} s), "
-        f"{stats.captures} capture(s) ({stats.capture_s:.2f} s), {stats.replays} replays, "
-        f"{stats.eager_calls} eager calls, memory pool {pool_bytes / 2**20:.1f} MiB."
+        f"{stats.captures} capture(s) ({stats.capture_s:.2f} s), {stats.replays} replays{fallback}{pool}."
     )
+    if stats.captures > 1:
+        print("  (more than one capture: the timed steps above include re-captures)")
     return _print_equality(eager, graphed)
 
 
-def _train(name: str, step: StepFn, model: nn.Module, batches: list[tuple[Tensor, Tensor]], device) -> RunResult:
+def _train(
+    name: str, step: StepFn, model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device
+) -> RunResult:
     losses: list[Tensor] = []
     step_s: list[float] = []
-    bar = _progress(total=len(batches), desc=f"{name:<9}")
-    for i, (x, y) in enumerate(batches):
-        captures_before = _captures(step)
-        loss, dt = timed(step, x, y, device=device)
-        # Steady state only: the warm-up calls and the capturing call are not what a step costs,
-        # and neither is a later re-capture. Eager skips as many first calls (allocator and cuBLAS warm-up).
-        if i > WARMUP_STEPS and _captures(step) == captures_before:
-            step_s.append(dt)
-        losses.append(loss.detach())
-        bar.update(1)
-        if i % 10 == 0 or i == len(batches) - 1:
-            bar.set_postfix_str(f"loss {loss.item():.4f}")  # syncs, but outside the timed call
-    bar.close()
+    bar, logs_around_bar = _progress(total=len(batches), desc=f"{name:<9}")
+    with logs_around_bar:
+        for i, (x, y) in enumerate(batches):
+            loss, dt = timed(step, x, y, device=device)
+            # Steady state only: graphstep's warm-up calls and its capturing call are not what a
+            # step costs. Eager skips as many first calls (allocator, cuBLAS, autotuning warm-up).
+            if i > WARMUP_STEPS:
+                step_s.append(dt)
+            losses.append(loss.detach())
+            bar.update(1)
+            if i % 10 == 0 or i == len(batches) - 1:
+                bar.set_postfix_str(f"loss {loss.item():.4f}")  # syncs, but outside the timed call
+        bar.close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return RunResult(name=name, losses=torch.stack(losses).float().cpu(), step_s=step_s, state=state)
-
-
-def _captures(step: object) -> int:
-    stats = getattr(step, "stats", None)  # a plain eager function has no stats
-    return stats.captures if stats is not None else 0
 
 
 # ---------------------------------------------------------------- the summary
@@ -230,13 +238,16 @@ def _print_equality(eager: RunResult, graphed: RunResult) -> int:
     a, b = eager.losses, graphed.losses
     losses_equal = torch.equal(a, b)
     bad_params = [k for k, v in eager.state.items() if not torch.equal(v, graphed.state[k])]
-    print(f"\nbitwise equal to eager (torch.equal): losses {'yes' if losses_equal else 'NO'} ({len(a)} steps), ", end="")
-    print(f"final parameters {'yes' if not bad_params else 'NO'} ({len(eager.state) - len(bad_params)}/{len(eager.state)} tensors).")
+    n_equal = len(eager.state) - len(bad_params)
+    print(
+        f"\nbitwise equal to eager (torch.equal): losses {'yes' if losses_equal else 'NO'} ({len(a)} steps), "
+        f"final parameters {'yes' if not bad_params else 'NO'} ({n_equal}/{len(eager.state)} tensors equal)."
+    )
     if not losses_equal:
         first = int((a != b).nonzero()[0, 0])
         print(
-            f"  losses first differ at step {first}: eager {a[first].item()!r} vs graphstep {b[first].item()!r}; "
-            f"largest difference {(a - b).abs().max().item():.3g}."
+            f"  losses first differ at step {first + 1} (counting from 1): eager {a[first].item()!r} vs "
+            f"graphstep {b[first].item()!r}; largest difference {(a - b).abs().max().item():.3g}."
         )
     if bad_params:
         print(f"  parameters that differ: {', '.join(bad_params[:8])}{' ...' if len(bad_params) > 8 else ''}")
@@ -286,9 +297,14 @@ class _TextBar:
         self.last_draw = time.monotonic()
 
 
-def _progress(*, total: int, desc: str):
+def _progress(*, total: int, desc: str) -> tuple[Any, contextlib.AbstractContextManager]:
+    """A progress bar, and a context that routes graphstep's log lines around it, not through it."""
     try:
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
     except ImportError:
-        return _TextBar(total=total, desc=desc)
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+        return _TextBar(total=total, desc=desc), contextlib.nullcontext()
+    bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+    # Only where someone (the CLI) gave graphstep's logger a handler: the redirect would add one.
+    redirect = logging_redirect_tqdm(loggers=[log]) if log.handlers else contextlib.nullcontext()
+    return bar, redirect

@@ -1,0 +1,47 @@
+"""`UndoLog`: remember every tensor a piece of code writes, so its writes can be taken back.
+
+A capture that executes the step (the eager and recording backends) and then fails must leave
+the model and optimizer as they were before the call. Under this dispatch mode each tensor
+is copied just before its first in-place or `out=` write; `roll_back()` copies them back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def written_arguments(func: torch._ops.OpOverload) -> list[int]:
+    """Positions of the arguments an operation writes to (in-place and out= arguments)."""
+    return [
+        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+class UndoLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.before(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def before(self, func, args: tuple, kwargs: dict) -> None:
+        names = [a.name for a in func._schema.arguments]
+        for i in written_arguments(func):
+            value = args[i] if i < len(args) else kwargs.get(names[i])
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+                    if key not in self._seen:
+                        self._seen.add(key)
+                        self._saved.append((t.detach(), t.detach().clone()))
+
+    def roll_back(self) -> None:
+        """Put back every tensor written since this log was entered, newest write first."""
+        with torch.no_grad():
+            for target, saved in reversed(self._saved):
+                target.copy_(saved)
