@@ -17,7 +17,7 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test,bench]"
 
 test: setup
-	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m ruff check src tests
 	$(BIN)/python -m pytest -q
 
 demo: setup
@@ -27,8 +27,8 @@ bench: setup
 	$(BIN)/graphstep bench
 
 lint: setup
-	$(BIN)/python -m ruff check src tests benchmarks
-	$(BIN)/python -m ruff format --check src tests benchmarks
+	$(BIN)/python -m ruff check src tests
+	$(BIN)/python -m ruff format --check src tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
