@@ -23,15 +23,17 @@ import torch
 from . import signature as sig
 from .backends import Backend, CudaGraphBackend, EagerBackend, Recording
 from .config import Config
-from .diagnostics import StepStats, is_host_sync, likely_cause, log, where
+from .diagnostics import HostSyncWatch, StepStats, is_host_sync, likely_cause, log, where
 from .errors import (
     CaptureError,
     ClosedError,
     GraphStepError,
     HostSyncError,
+    StaleGraphError,
     TooManyGraphsError,
     UnsupportedOutputError,
 )
+from .guards import StateGuard, bindings
 from .recording import RecordingBackend
 from .signature import Signature
 from .state import Snapshot, TrainingState, as_list
@@ -69,6 +71,12 @@ class _Entry:
     recording: Recording | None = None
     output_spec: Any = None
     output_tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    guard: StateGuard | None = None
+    recaptures: int = 0
+    stale: bool = False
+    """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
+    sync_sites: list[str] = dataclasses.field(default_factory=list)
+    """Where the last warm-up synchronised with the host; capture is refused while non-empty."""
 
 
 class CapturedStep:
@@ -175,23 +183,46 @@ class CapturedStep:
         signature, leaves = Signature.of(args, kwargs)
         backend = self._backend_for(leaves)
         entry = self._entry(signature, backend)
-        if entry is None:
+        if entry is None or entry.stale:
             return self._run_eager(signature, args, kwargs)
         if entry.recording is not None:
-            return self._replay(entry, leaves, args, kwargs)
+            if entry.guard is None or entry.guard.holds():
+                return self._replay(entry, leaves, args, kwargs)
+            changes = entry.guard.changes()
+            if not changes:  # an unrelated module elsewhere in the process was re-registered
+                return self._replay(entry, leaves, args, kwargs)
+            return self._recapture(entry, backend, changes, leaves, args, kwargs)
         if entry.warmups < self.config.warmup_steps:
             return self._warm_up(entry, backend, args, kwargs)
         return self._capture(entry, backend, leaves, args, kwargs)
 
     def _warm_up(self, entry: _Entry, backend: Backend, args: tuple, kwargs: dict) -> Any:
         start = time.perf_counter()
-        outputs = backend.warmup(self._fn, args, kwargs)
+        if entry.warmups == self.config.warmup_steps - 1 and backend.static_buffers:
+            # The last warm-up looks for host syncs (earlier ones may lazily create state with
+            # syncs of their own). The step completes; the capture that follows is refused.
+            with HostSyncWatch(cuda=isinstance(backend, CudaGraphBackend)) as watch:
+                outputs = backend.warmup(self._fn, args, kwargs)
+            entry.sync_sites = watch.sites
+        else:
+            outputs = backend.warmup(self._fn, args, kwargs)
         entry.warmups += 1
         self._stats.warmup_calls += 1
         self._stats.warmup_s += time.perf_counter() - start
         return _detached(outputs)
 
     def _capture(self, entry: _Entry, backend: Backend, leaves: list, args: tuple, kwargs: dict) -> Any:
+        if entry.sync_sites:
+            entry.warmups -= 1  # the next call warms up (and looks) again
+            sites = "\n".join(f"  - {site}" for site in entry.sync_sites)
+            entry.sync_sites = []
+            raise HostSyncError(
+                f"{self._name} synchronises with the host, so it cannot be captured:\n{sites}\n"
+                "A CUDA graph replays device work only: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, "
+                "`if tensor:`, `nonzero` and boolean-mask indexing need the host to wait. Keep values on the "
+                "device (`torch.where` instead of branching; masks multiplied in instead of indexing), and "
+                "return tensors from the step to log them outside it. Nothing was run for this call."
+            )
         start = time.perf_counter()
         if backend.static_buffers:
             args, kwargs = sig.unflatten(entry.signature.spec, self._buffers(entry, leaves))
@@ -214,6 +245,10 @@ class CapturedStep:
             raise self._capture_error(exc) from exc
         recording.outputs = sig.unflatten(entry.output_spec, entry.output_tensors)
         entry.recording = recording
+        if self.config.check != "off":
+            entry.guard = StateGuard(
+                self._state, self._fn, shapes=self.config.check == "full", grads_before=snapshot.grads
+            )
         if isinstance(backend, CudaGraphBackend):
             torch.cuda.synchronize(backend.index)
         self._stats.captures += 1
@@ -233,8 +268,32 @@ class CapturedStep:
         self._stats.replay_s += time.perf_counter() - start
         return result
 
+    def _recapture(
+        self, entry: _Entry, backend: Backend, changes: list[str], leaves: list, args: tuple, kwargs: dict
+    ) -> Any:
+        what = "\n".join(f"  - {c}" for c in changes)
+        entry.recording.release()
+        entry.recording, entry.guard = None, None
+        entry.recaptures += 1
+        if entry.recaptures > self.config.max_recaptures:
+            message = (
+                f"{self._name}: state its graph depends on changed again, past "
+                f"Config.max_recaptures={self.config.max_recaptures}:\n{what}\n"
+                "Replaying would silently differ from eager. Keep parameters and optimizer state in place "
+                "(copy_ into them instead of replacing), keep hyperparameters as tensors (graphstep's optimizer "
+                "support turns lr into one), or raise max_recaptures."
+            )
+            if self.config.on_recapture_limit == "raise":
+                raise StaleGraphError(message)
+            entry.stale = True
+            warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=4)
+            return self._run_eager(entry.signature, args, kwargs)
+        log.warning("graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what)
+        return self._capture(entry, backend, leaves, args, kwargs)
+
     def _run_eager(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
-        if signature not in self._eager_keys and len(self._eager_keys) < _MAX_EAGER_KEYS:
+        stale = signature in self._entries  # past max_recaptures: warned once already
+        if not stale and signature not in self._eager_keys and len(self._eager_keys) < _MAX_EAGER_KEYS:
             self._eager_keys.add(signature)
             message = (
                 f"graphstep: {self._name} already holds max_graphs={self.config.max_graphs} graphs; "
@@ -250,6 +309,8 @@ class CapturedStep:
 
     def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
         if self._backend is None:
+            # Modules and optimizers the step reaches through its closure or globals are state too.
+            self._state.discover((label, value) for label, _, value in bindings(self._fn))
             self._backend = _choose_backend(self.config, leaves, self._state, self._name)
         return self._backend
 

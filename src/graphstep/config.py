@@ -8,6 +8,7 @@ from typing import Literal
 OutputMode = Literal["clone", "graph"]
 Fallback = Literal["raise", "eager"]
 Backend = Literal["auto", "cuda", "eager", "recording"]
+Check = Literal["full", "fast", "off"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,30 @@ class Config:
     notice). "eager": never capture. "recording": a CPU stand-in for a CUDA graph that records the
     step's operations at capture and replays exactly those operations on the same memory, for tests."""
 
+    check: Check = "full"
+    """Guards run before every replay (see `guards.py`). "full": storage pointers, shapes, dtypes and
+    strides of every state tensor, grads, module modes, optimizer hyperparameters, closure objects.
+    "fast": the same without shapes/dtypes/strides (a storage that moves is still caught).
+    "off": no checks; a changed parameter or hyperparameter then silently differs from eager.
+    Measured costs are in the README."""
+
+    max_recaptures: int = 4
+    """Re-captures allowed per signature after a guard found changed state. Past this,
+    `on_recapture_limit` decides."""
+
+    on_recapture_limit: Fallback = "raise"
+    """"raise": a `StaleGraphError` naming what changed. "eager": run that signature eagerly from
+    then on, with a warning."""
+
+    verify_every: int = 0
+    """Every N-th replay (0: never), also run the step eagerly from a snapshot of the state and
+    compare: debug mode for "is this replay really what eager does?". Costs a state copy and an
+    eager step each time."""
+
+    verify_tolerance: float = 0.0
+    """0: verification is bitwise (`torch.equal`). Otherwise the largest allowed
+    `|replay - eager| / max(|eager|, 1e-12)` per tensor, for kernels that are not deterministic."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
             raise ValueError(
@@ -46,6 +71,14 @@ class Config:
         _check_choice("on_too_many_graphs", self.on_too_many_graphs, Fallback)
         _check_choice("outputs", self.outputs, OutputMode)
         _check_choice("backend", self.backend, Backend)
+        _check_choice("check", self.check, Check)
+        _check_choice("on_recapture_limit", self.on_recapture_limit, Fallback)
+        for name in ("max_recaptures", "verify_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"Config.{name} must be an int >= 0, got {value!r}.")
+        if not (isinstance(self.verify_tolerance, (int, float)) and self.verify_tolerance >= 0):
+            raise ValueError(f"Config.verify_tolerance must be a number >= 0, got {self.verify_tolerance!r}.")
 
 
 def _check_choice(name: str, value: object, choices: object) -> None:

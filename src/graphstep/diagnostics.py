@@ -6,13 +6,17 @@ import dataclasses
 import logging
 import os
 import traceback
+import warnings
 from types import TracebackType
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("graphstep")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo")
-_TORCH_DIR = os.path.dirname(os.path.abspath(__import__("torch").__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @dataclasses.dataclass
@@ -42,8 +46,12 @@ class StepStats:
 
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
     """The innermost traceback frame that is neither graphstep's nor torch's: the user's line."""
+    return user_frame_of(traceback.extract_tb(tb))
+
+
+def user_frame_of(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
     found = None
-    for frame in traceback.extract_tb(tb):
+    for frame in frames:
         path = os.path.abspath(frame.filename)
         library = path.startswith(_TORCH_DIR) or (
             path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR)
@@ -55,8 +63,10 @@ def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
 
 def where(tb: TracebackType | None) -> str:
     frame = user_frame(tb)
-    if frame is None:
-        return "an unknown line"
+    return "an unknown line" if frame is None else _describe(frame)
+
+
+def _describe(frame: traceback.FrameSummary) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}: `{(frame.line or '').strip()}`"
 
 
@@ -95,3 +105,78 @@ def likely_cause(exc: BaseException) -> str:
 
 def is_host_sync(exc: BaseException) -> bool:
     return likely_cause(exc) is _LIKELY_CAUSES[0][1]
+
+
+def host_sync_ops() -> set:
+    """ATen operations whose result a CUDA stream cannot produce without the host waiting."""
+    aten = torch.ops.aten
+    return {
+        aten._local_scalar_dense.default,  # .item(), float(t), print(t), if t: ...
+        aten.nonzero.default,  # data-dependent shape: nonzero, boolean-mask indexing
+        aten.masked_select.default,
+        aten.is_nonzero.default,
+        aten.equal.default,
+    }
+
+
+class HostSyncWatch:
+    """Notes where a step synchronises with the host while it runs eagerly.
+
+    On CUDA this uses `torch.cuda.set_sync_debug_mode("warn")` (restored afterwards), which
+    flags `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, `nonzero` and boolean-mask
+    indexing. The step still completes, as a real step: the capture that would follow is
+    refused instead, before anything of it runs. `sites` holds the user's lines.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.sites: list[str] = []
+
+    def __enter__(self) -> HostSyncWatch:
+        if not self.cuda:  # the recording backend: watch ATen operations instead
+            self._spy = _SyncSpy(self)
+            self._spy.__enter__()
+        else:
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.simplefilter("always")
+            self._show = warnings.showwarning
+            warnings.showwarning = self._on_warning
+        return self
+
+    def _on_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            self.note()
+        else:
+            self._show(message, category, filename, lineno, file, line)
+
+    def note(self) -> None:
+        """Record the user's frame of the current stack as a host-sync site."""
+        frame = user_frame_of(traceback.extract_stack()[:-1])
+        site = "an unknown line" if frame is None else _describe(frame)
+        if site not in self.sites:
+            self.sites.append(site)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.cuda:
+            self._spy.__exit__(*exc)
+        else:
+            warnings.showwarning = self._show
+            self._warnings.__exit__(*exc)
+            torch.cuda.set_sync_debug_mode(self._mode)
+
+
+class _SyncSpy(TorchDispatchMode):
+    """The recording backend's stand-in for CUDA's sync debug mode."""
+
+    def __init__(self, watch: HostSyncWatch):
+        super().__init__()
+        self.watch = watch
+        self.ops = host_sync_ops()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ops:
+            self.watch.note()
+        return func(*args, **(kwargs or {}))

@@ -22,18 +22,10 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .backends import empty_like_strided
+from .diagnostics import host_sync_ops
 from .undo import UndoLog
 
-aten = torch.ops.aten
-
-# Operations whose result a CUDA stream cannot produce without the host waiting for it.
-HOST_SYNC_OPS = {
-    aten._local_scalar_dense.default,  # .item(), float(t), print(t), if t: ...
-    aten.nonzero.default,  # data-dependent shape
-    aten.masked_select.default,
-    aten.is_nonzero.default,
-    aten.equal.default,
-}
+HOST_SYNC_OPS = host_sync_ops()
 
 
 class _Recorder(UndoLog):

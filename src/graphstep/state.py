@@ -49,6 +49,23 @@ class TrainingState:
                     seen.setdefault(id(p), p)
         return list(seen.values())
 
+    labels: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Names of modules found in the step's closure or globals rather than passed as model=."""
+
+    def named_modules_roots(self) -> list[tuple[str, nn.Module]]:
+        default = ["model"] if len(self.modules) == 1 else [f"model[{i}]" for i in range(len(self.modules))]
+        return [(self.labels.get(id(m), name), m) for name, m in zip(default, self.modules)]
+
+    def discover(self, labelled: Iterable[tuple[str, object]]) -> None:
+        """Add the modules and optimizers among a step's closure and globals, by their names there."""
+        for label, obj in labelled:
+            if isinstance(obj, nn.Module):
+                if not any(obj is sub for root in self.modules for sub in root.modules()):
+                    self.modules.append(obj)
+                    self.labels[id(obj)] = label
+            elif isinstance(obj, torch.optim.Optimizer) and not any(obj is o for o in self.optimizers):
+                self.optimizers.append(obj)
+
     def devices(self) -> set[torch.device]:
         found = {p.device for p in self.parameters()}
         for m in self.modules:
