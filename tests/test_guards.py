@@ -204,7 +204,7 @@ def test_recapture_limit_raises_or_falls_back():
 def test_without_checks_a_replay_silently_differs():
     """Why the guards exist: the same float-lr change with check="off" goes unseen."""
     twins = Twins(graphstep.Config(backend="recording", warmup_steps=2, check="off"))
-    with pytest.raises(AssertionError, match="differ|!="):
+    with pytest.raises(AssertionError, match=r"differ|!="):
         run(twins, batches(8), lambda m, o: o.param_groups[0].__setitem__("lr", 0.2), at=5)
 
 

@@ -197,9 +197,9 @@ class StateGuard:
             return False
         if self.check_shapes and [_meta(t) for t in self.tensors] != self.metas:
             return False
-        if self.grads and not all(map(operator.is_, map(_get_grad, self.grad_params), self.grads)):
-            if not self._restore_cleared_grads():
-                return False
+        grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
+        if not grads_kept and not self._restore_cleared_grads():
+            return False
         if self.fresh_grad_params and any(g is not None for g in map(_get_grad, self.fresh_grad_params)):
             return False
         if list(map(_get_training, self.modules)) != self.training:
