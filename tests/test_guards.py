@@ -254,3 +254,22 @@ def test_guard_holds_is_silent_for_unrelated_modules():
     TinyNet()  # registers parameters in an unrelated module: bumps the global epoch
     run(twins, data[4:])
     assert twins.step.stats.captures == 1
+
+
+def test_verify_every_passes_when_replays_match_eager():
+    twins = Twins(graphstep.Config(backend="recording", warmup_steps=2, verify_every=2))
+    run(twins, batches(10))
+    assert twins.step.stats.replays == 7
+
+
+def test_verify_every_catches_a_change_no_guard_sees():
+    """With guards off, verification is what catches a baked-in learning rate."""
+    model, opt = make_training()
+    config = graphstep.Config(backend="recording", warmup_steps=1, check="off", verify_every=1)
+    step = graphstep.capture(sgd_step(model, opt), model=model, optimizer=opt, config=config)
+    data = batches(5)
+    for x, y in data[:3]:
+        step(x, y)
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(graphstep.errors.VerificationError, match="differs from eager at"):
+        step(*data[3])

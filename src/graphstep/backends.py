@@ -44,7 +44,10 @@ class Backend(Protocol):
     """Capturing also performs the step (eager, recording). A CUDA capture does not: the call
     that captures must replay once to take its step."""
 
-    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any: ...
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
+        """Run the step eagerly. `in_pool=False` once graphs exist: memory a graph uses as
+        scratch between its replays must not hold tensors that outlive an eager call."""
+        ...
 
     def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording: ...
 
@@ -80,7 +83,7 @@ class EagerBackend:
     static_buffers = False
     capture_executes = True
 
-    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
 
     def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:
@@ -184,8 +187,8 @@ class CudaGraphBackend:
             end(self.index, self.pool)
             release(self.index, self.pool)
 
-    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        with self._on_capture_stream(), self._in_pool():
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
+        with self._on_capture_stream(), self._in_pool() if in_pool else contextlib.nullcontext():
             return fn(*args, **kwargs)
 
     def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:

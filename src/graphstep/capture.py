@@ -33,10 +33,11 @@ from .errors import (
     TooManyGraphsError,
     UnsupportedOutputError,
 )
-from .guards import StateGuard, bindings
+from .guards import StateGuard, bindings, named_state_tensors
 from .recording import RecordingBackend
 from .signature import Signature
 from .state import Snapshot, TrainingState, as_list
+from .verify import verify
 
 _live_steps: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 _MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
@@ -202,10 +203,10 @@ class CapturedStep:
             # The last warm-up looks for host syncs (earlier ones may lazily create state with
             # syncs of their own). The step completes; the capture that follows is refused.
             with HostSyncWatch(cuda=isinstance(backend, CudaGraphBackend)) as watch:
-                outputs = backend.warmup(self._fn, args, kwargs)
+                outputs = backend.warmup(self._fn, args, kwargs, in_pool=self._pool_is_free())
             entry.sync_sites = watch.sites
         else:
-            outputs = backend.warmup(self._fn, args, kwargs)
+            outputs = backend.warmup(self._fn, args, kwargs, in_pool=self._pool_is_free())
         entry.warmups += 1
         self._stats.warmup_calls += 1
         self._stats.warmup_s += time.perf_counter() - start
@@ -262,11 +263,37 @@ class CapturedStep:
         start = time.perf_counter()
         if self._backend.static_buffers:
             self._load(entry, leaves)
-        outputs = entry.recording.replay(args, kwargs)
+        every = self.config.verify_every
+        if every and (self._stats.replays + 1) % every == 0:
+            outputs = self._verified_replay(entry, args, kwargs)
+        else:
+            outputs = entry.recording.replay(args, kwargs)
         result = self._deliver(entry, outputs)
         self._stats.replays += 1
         self._stats.replay_s += time.perf_counter() - start
         return result
+
+    def _verified_replay(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
+        backend = self._backend
+        named = list(named_state_tensors(self._state, self._fn))
+        named += [
+            (f"{n}.grad", p.grad)
+            for n, p in named
+            if isinstance(p, torch.nn.Parameter) and p.grad is not None
+        ]
+        cuda = [backend.index] if isinstance(backend, CudaGraphBackend) else []
+        refs = Snapshot.take(self._state, cuda)
+        # The eager run reads the same static buffers the replay will.
+        eager_args, eager_kwargs = (
+            sig.unflatten(entry.signature.spec, entry.buffers) if entry.buffers else (args, kwargs)
+        )
+        return verify(
+            named,
+            refs,
+            run_eager=lambda: backend.warmup(self._fn, eager_args, eager_kwargs, in_pool=False),
+            replay=lambda: entry.recording.replay(args, kwargs),
+            tolerance=self.config.verify_tolerance,
+        )
 
     def _recapture(
         self, entry: _Entry, backend: Backend, changes: list[str], leaves: list, args: tuple, kwargs: dict
@@ -306,6 +333,10 @@ class CapturedStep:
         return _detached(self._fn(*args, **kwargs))
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _pool_is_free(self) -> bool:
+        """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
+        return not any(e.recording is not None for e in self._entries.values())
 
     def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
         if self._backend is None:

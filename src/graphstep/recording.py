@@ -96,7 +96,7 @@ class RecordingBackend:
     static_buffers = True
     capture_executes = True
 
-    def warmup(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
 
     def capture(self, fn: Callable, args: tuple, kwargs: dict) -> _OpRecording:

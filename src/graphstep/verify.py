@@ -1,0 +1,59 @@
+"""`Config(verify_every=N)`: check a replay against eager execution of the same step.
+
+Every N-th replay: copy the state, run the step eagerly, keep its results, put the state back
+(values and Python references, RNG included), replay the graph, and compare outputs and every
+state tensor, bitwise or within `Config.verify_tolerance`. A mismatch raises a
+`VerificationError` naming the first differing tensor; the state is then the replay's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import signature as sig
+from .errors import VerificationError
+from .state import Snapshot
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if tolerance == 0:
+        return torch.equal(a, b)
+    a64, b64 = a.double(), b.double()
+    scale = b64.abs().clamp_min(1e-12)
+    return bool(((a64 - b64).abs() / scale).max() <= tolerance) if a.numel() else True
+
+
+def verify(
+    named: list[tuple[str, torch.Tensor]],
+    refs: Snapshot,
+    run_eager: Callable[[], Any],
+    replay: Callable[[], Any],
+    tolerance: float,
+) -> Any:
+    """Run eager then replay from the same state; return the replay's outputs if they agree."""
+    before = [t.detach().clone() for _, t in named]
+    eager_out = sig.flatten(run_eager())[0]
+    eager_out = [t.detach().clone() for t in eager_out]
+    eager_state = [t.detach().clone() for _, t in named]
+    with torch.no_grad():
+        for (_, t), saved in zip(named, before):
+            t.copy_(saved)
+    refs.restore()
+    outputs = replay()
+    replay_out = sig.flatten(outputs)[0]
+    pairs = [(f"output {i}", r, e) for i, (r, e) in enumerate(zip(replay_out, eager_out))]
+    pairs += [(name, t, e) for (name, t), e in zip(named, eager_state)]
+    for name, got, want in pairs:
+        if not _close(got, want, tolerance):
+            diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
+            raise VerificationError(
+                f"verify_every: the replay differs from eager at {name} (max |diff| {diff}). Something the "
+                "graph baked in changed without a guard noticing, or a kernel is not deterministic: turn on "
+                "torch.use_deterministic_algorithms(True), or set Config.verify_tolerance."
+            )
+    return outputs

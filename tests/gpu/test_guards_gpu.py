@@ -1,0 +1,139 @@
+"""Guards on a real GPU: each change between calls gives results bitwise equal to eager, or a clear error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from gpu_common import assert_same_params, batches, deterministic, gpt_pair, needs_cuda, train_step
+
+import graphstep
+from graphstep.errors import HostSyncError
+
+pytestmark = needs_cuda
+
+
+def lr_by_hand(model, opt):
+    opt.param_groups[0]["lr"] = 3e-4
+
+
+def betas(model, opt):
+    opt.param_groups[0]["betas"] = (0.8, 0.95)
+
+
+def param_data(model, opt):
+    model.head.weight.data = model.head.weight.data.clone()
+
+
+def eval_then_train(model, opt):
+    model.eval() if model.training else model.train()
+
+
+def load_optimizer_state(model, opt):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+CHANGES = {
+    "param.data reassigned": param_data,
+    "optimizer.load_state_dict": load_optimizer_state,
+    "eval then train": eval_then_train,
+    "float lr by hand": lr_by_hand,
+    "betas": betas,
+}
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_change_between_calls_stays_bitwise_equal(name):
+    change = CHANGES[name]
+    (m_e, o_e), (m_g, o_g) = gpt_pair()
+    data = batches(30)
+    eager_fn = train_step(m_e, o_e)
+    with deterministic(), graphstep.capture(train_step(m_g, o_g), model=m_g, optimizer=o_g) as step:
+        for i, (x, y) in enumerate(data):
+            if i in (10, 20):  # eval at 10, train again at 20 for the mode change
+                change(m_e, o_e)
+                change(m_g, o_g)
+            e, g = eager_fn(x, y), step(x, y)
+            assert torch.equal(e, g), f"{name}: step {i}: eager {e.item()} != graphstep {g.item()}"
+        captures = step.stats.captures
+    assert_same_params(m_e, m_g)
+    assert captures >= 2, f"{name}: the change did not lead to a re-capture"
+
+
+def test_grads_set_to_none_between_calls_stay_equal():
+    """Gradient accumulation across calls, cleared by the user every 4 calls."""
+    (m_e, o_e), (m_g, o_g) = gpt_pair()
+
+    def accumulate(model, opt):
+        def step(x, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y) / 4
+            loss.backward()
+            return loss
+
+        return step
+
+    data = batches(32)
+    eager_fn = accumulate(m_e, o_e)
+    with deterministic(), graphstep.capture(accumulate(m_g, o_g), model=m_g, optimizer=o_g) as step:
+        for i, (x, y) in enumerate(data):
+            e, g = eager_fn(x, y), step(x, y)
+            assert torch.equal(e, g), f"step {i}"
+            if i % 4 == 3:
+                for opt in (o_e, o_g):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+    assert_same_params(m_e, m_g)
+
+
+def test_closure_tensor_replaced_between_calls():
+    (m_e, o_e), (m_g, o_g) = gpt_pair()
+    scale = torch.tensor(1.0, device="cuda")
+
+    def make(model, opt):
+        def step(x, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y) * scale
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    data = batches(30)
+    eager_fn, step = make(m_e, o_e), graphstep.capture(make(m_g, o_g), model=m_g, optimizer=o_g)
+    with deterministic():
+        for i, (x, y) in enumerate(data):
+            if i == 15:
+                scale = torch.tensor(0.5, device="cuda")  # rebinds the cell both steps read
+            assert torch.equal(eager_fn(x, y), step(x, y)), f"step {i}"
+    assert_same_params(m_e, m_g)
+    assert step.stats.captures == 2
+    step.close()
+
+
+def test_item_inside_the_step_is_refused_before_capture():
+    (_, _), (model, opt) = gpt_pair()
+
+    def fn(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if loss.item() != loss.item():  # a NaN check with a host sync
+            raise FloatingPointError
+        return loss
+
+    step = graphstep.capture(fn, model=model, optimizer=opt)
+    data = batches(4)
+    for x, y in data[:3]:
+        step(x, y)  # warm-ups complete as real steps
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(HostSyncError, match=r"loss\.item\(\) != loss\.item\(\)"):
+        step(*data[3])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert torch.cuda.get_sync_debug_mode() == 0
+    step.close()
