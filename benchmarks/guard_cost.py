@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     x = torch.randn(8, 16, device="cuda")
     rows = []
-    for check in ("full", "fast", "off"):
+    for check in ("full", "strict", "off"):
         step, model = build(check)
         for _ in range(5):
             step(x)
@@ -65,8 +65,25 @@ def main() -> None:
             torch.cuda.synchronize()
 
         call_us = median_us(call, 300)
+        parts = {}
+        if entry.guard is not None:
+            g = entry.guard
+            from graphstep import guards
+
+            parts["pointers_cpp_us"] = (
+                median_us(lambda g=g: guards._ptrs_equal_in_cpp(g.tensors, g.ptrs, g.indices), 2000)
+                if guards._ptrs_equal_in_cpp is not None
+                else None
+            )
+            parts["pointers_python_us"] = median_us(
+                lambda g=g: list(map(guards._data_ptr, g.tensors)) == g.ptrs, 2000
+            )
+            parts["modes_us"] = median_us(
+                lambda g=g: list(map(guards._get_training, g.modules)) == g.training, 2000
+            )
+            print("   parts:", {k: round(v, 2) if v is not None else None for k, v in parts.items()})
         n_params = sum(1 for _ in model.parameters())
-        tracked = len(entry.guard.tensors) if entry.guard is not None else 0
+        tracked = len(entry.guard.tensors) if entry.guard is not None else 0  # pointer-checked
         rows.append(
             {
                 "check": check,

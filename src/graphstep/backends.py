@@ -57,6 +57,10 @@ class Backend(Protocol):
 
     def pool_bytes(self) -> int: ...
 
+    def renew_pool(self) -> None:
+        """Capture later graphs into a fresh pool (after every graph was released)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -102,6 +106,9 @@ class EagerBackend:
 
     def pool_bytes(self) -> int:
         return 0
+
+    def renew_pool(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -222,6 +229,14 @@ class CudaGraphBackend:
         pool. Graphs captured earlier keep the old one alive for as long as they live."""
         with contextlib.suppress(Exception):
             _allocator_calls()[1](self.index, self.pool)
+        self.renew_pool()
+
+    def renew_pool(self) -> None:
+        """Start a fresh pool; the old one is freed once its graphs and tensors are gone.
+
+        Needed too once every graph of a pool was released: torch 2.11's pinned-memory
+        allocator forgets a pool with its last graph and asserts if it is captured into again.
+        """
         _allocator_calls()[2](self.index, self.pool)
         self.pool = self._new_pool()
 

@@ -154,6 +154,8 @@ class CapturedStep:
                 entry.recording.release()
         self._entries.clear()
         self._eager_keys.clear()
+        if self._backend is not None and not self._closed:
+            self._backend.renew_pool()
 
     def close(self) -> None:
         """Release the graphs and the memory pool. Needed before `destroy_process_group`."""
@@ -248,7 +250,7 @@ class CapturedStep:
         entry.recording = recording
         if self.config.check != "off":
             entry.guard = StateGuard(
-                self._state, self._fn, shapes=self.config.check == "full", grads_before=snapshot.grads
+                self._state, self._fn, strict=self.config.check == "strict", grads_before=snapshot.grads
             )
         if isinstance(backend, CudaGraphBackend):
             torch.cuda.synchronize(backend.index)
@@ -299,8 +301,7 @@ class CapturedStep:
         self, entry: _Entry, backend: Backend, changes: list[str], leaves: list, args: tuple, kwargs: dict
     ) -> Any:
         what = "\n".join(f"  - {c}" for c in changes)
-        entry.recording.release()
-        entry.recording, entry.guard = None, None
+        old, entry.recording, entry.guard = entry.recording, None, None
         entry.recaptures += 1
         if entry.recaptures > self.config.max_recaptures:
             message = (
@@ -310,13 +311,18 @@ class CapturedStep:
                 "(copy_ into them instead of replacing), keep hyperparameters as tensors (graphstep's optimizer "
                 "support turns lr into one), or raise max_recaptures."
             )
+            old.release()
             if self.config.on_recapture_limit == "raise":
                 raise StaleGraphError(message)
             entry.stale = True
             warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=4)
             return self._run_eager(entry.signature, args, kwargs)
         log.warning("graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what)
-        return self._capture(entry, backend, leaves, args, kwargs)
+        try:
+            return self._capture(entry, backend, leaves, args, kwargs)
+        finally:
+            # Released only now: a pool whose last graph is gone cannot be captured into again.
+            old.release()
 
     def _run_eager(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
         stale = signature in self._entries  # past max_recaptures: warned once already

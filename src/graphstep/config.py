@@ -8,7 +8,7 @@ from typing import Literal
 OutputMode = Literal["clone", "graph"]
 Fallback = Literal["raise", "eager"]
 Backend = Literal["auto", "cuda", "eager", "recording"]
-Check = Literal["full", "fast", "off"]
+Check = Literal["full", "strict", "off"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,11 +37,11 @@ class Config:
     step's operations at capture and replays exactly those operations on the same memory, for tests."""
 
     check: Check = "full"
-    """Guards run before every replay (see `guards.py`). "full": storage pointers, shapes, dtypes and
-    strides of every state tensor, grads, module modes, optimizer hyperparameters, closure objects.
-    "fast": the same without shapes/dtypes/strides (a storage that moves is still caught).
-    "off": no checks; a changed parameter or hyperparameter then silently differs from eager.
-    Measured costs are in the README."""
+    """Guards run before every replay (see `guards.py`). "full": the storage of every parameter,
+    buffer and closure tensor, grads, module modes, optimizer param groups and hyperparameters,
+    the optimizer's state object, closure objects. "strict": also every optimizer state tensor's
+    storage, and every tracked tensor's shape, dtype and stride. "off": no checks; a changed
+    parameter or hyperparameter then silently differs from eager. Measured costs are in the README."""
 
     max_recaptures: int = 4
     """Re-captures allowed per signature after a guard found changed state. Past this,

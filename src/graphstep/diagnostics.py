@@ -17,6 +17,7 @@ log = logging.getLogger("graphstep")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_WARNINGS_FILE = os.path.abspath(warnings.__file__)
 
 
 @dataclasses.dataclass
@@ -53,8 +54,10 @@ def user_frame_of(frames: list[traceback.FrameSummary]) -> traceback.FrameSummar
     found = None
     for frame in frames:
         path = os.path.abspath(frame.filename)
-        library = path.startswith(_TORCH_DIR) or (
-            path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR)
+        library = (
+            path.startswith(_TORCH_DIR)
+            or path == _WARNINGS_FILE
+            or (path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR))
         )
         if not library:
             found = frame

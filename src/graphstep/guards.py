@@ -149,16 +149,19 @@ class StateGuard:
         state: TrainingState,
         fn: Callable,
         *,
-        shapes: bool,
+        strict: bool,
         grads_before: list[tuple[torch.Tensor, torch.Tensor | None]],
     ):
         _install_registration_hooks()
         self.epoch = _structure_epoch
-        self.check_shapes = shapes
+        self.strict = strict
         self.tracked = [_Tracked(n, t, _meta(t)) for n, t in named_state_tensors(state, fn)]
-        self.tensors = [t.tensor for t in self.tracked]
-        self.ptrs = [t.meta[0] for t in self.tracked]
-        self.metas = [t.meta for t in self.tracked]
+        # Optimizer state is replaced wholesale (load_state_dict swaps `optimizer.state`, an O(1)
+        # check); its thousands of tensors get a pointer check of their own only when strict.
+        checked = [t for t in self.tracked if strict or ".state[" not in t.name]
+        self.tensors = [t.tensor for t in checked]
+        self.ptrs = [t.meta[0] for t in checked]
+        self.metas = [t.meta for t in checked]
         self.indices = list(range(len(self.tensors)))
         self.param_names = {id(t.tensor): t.name for t in self.tracked}
         # A graph reads a parameter's grad only if the grad existed before the step and the step
@@ -195,7 +198,7 @@ class StateGuard:
             return False
         if self.tensors and not _same_data_ptrs(self.tensors, self.ptrs, self.indices):
             return False
-        if self.check_shapes and [_meta(t) for t in self.tensors] != self.metas:
+        if self.strict and [_meta(t) for t in self.tensors] != self.metas:
             return False
         grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
         if not grads_kept and not self._restore_cleared_grads():

@@ -116,5 +116,8 @@ class RecordingBackend:
     def pool_bytes(self) -> int:
         return 0
 
+    def renew_pool(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
