@@ -91,6 +91,7 @@ def main() -> None:
                 "replay_call_us": round(call_us, 1),
                 "parameter_tensors": n_params,
                 "tracked_tensors": tracked,
+                **parts,
             }
         )
         print(
