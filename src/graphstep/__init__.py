@@ -5,6 +5,7 @@ from .capture import CapturedStep, capture
 from .config import Config
 from .diagnostics import StepStats
 from .errors import GraphStepError
+from .explain import Explanation, explain
 
 __all__ = [
     # the verb and its configuration
@@ -13,6 +14,9 @@ __all__ = [
     # what it returns
     "CapturedStep",
     "StepStats",
+    # looking before capturing
+    "explain",
+    "Explanation",
     # errors
     "GraphStepError",
     "errors",

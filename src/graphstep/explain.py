@@ -1,0 +1,140 @@
+"""`graphstep.explain(step, *args, **kwargs)`: what capture would do with this call, before it does.
+
+Runs the step once eagerly as a dry run (its writes, grads, optimizer state and RNG are taken
+back afterwards) and reports: which inputs are copied into static buffers and which Python
+values become part of the graph's key, which state the guards will watch, and the hazards it
+finds: host syncs (with the user's line), CPU tensors next to GPU ones, module hooks (they run
+only at capture), optimizers that are not capturable, and numbers in the key that may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import signature as sig
+from .capture import CapturedStep
+from .diagnostics import HostSyncWatch
+from .guards import bindings, named_state_tensors
+from .state import Snapshot
+from .undo import UndoLog
+
+_NOT_CAPTURABLE = ("LBFGS", "SparseAdam")
+
+
+@dataclasses.dataclass
+class Explanation:
+    backend: str
+    signature: str
+    copied: list[str]
+    key_values: list[str]
+    guarded: dict[str, int]
+    bindings: list[str]
+    hazards: list[str]
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}", f"signature: {self.signature}"]
+        lines.append(
+            "copied into static buffers before each replay: " + (", ".join(self.copied) or "nothing")
+        )
+        lines.append("Python values in the graph's key: " + (", ".join(self.key_values) or "none"))
+        lines.append("guarded before each replay: " + ", ".join(f"{n} {k}" for k, n in self.guarded.items()))
+        if self.bindings:
+            lines.append("closure and global objects watched: " + ", ".join(self.bindings))
+        lines.append("hazards:" if self.hazards else "hazards: none found")
+        lines += [f"  - {h}" for h in self.hazards]
+        return "\n".join(lines)
+
+
+def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
+    """Describe how `step` would be captured for a call with these arguments (a dry run)."""
+    if not isinstance(step, CapturedStep):
+        raise TypeError(f"explain() takes a graphstep.CapturedStep; got {type(step).__qualname__}.")
+    signature, leaves = sig.Signature.of(args, kwargs)
+    backend = step._backend_for(leaves)
+    state, fn = step._state, step._fn
+    hazards: list[str] = []
+
+    copied, key_values = [], []
+    metas = iter(signature.tensors)
+    for path, leaf in sig._argument_paths(signature.spec):
+        if sig.is_tensor_leaf(leaf):
+            copied.append(f"{path} ({next(metas)})")
+        else:
+            value = sig.value_of(leaf)
+            key_values.append(f"{path}={value!r}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                hazards.append(
+                    f"{path} is a Python {type(value).__name__} in the key: each new value captures a new graph "
+                    "(max_graphs applies). Pass a 0-d tensor if it changes from call to call."
+                )
+
+    devices = {t.device.type for t in leaves} | {d.type for d in state.devices()}
+    if "cuda" in devices and "cpu" in devices:
+        cpu = [p for p, _ in zip(copied, leaves) if "on cpu" in p]
+        hazards.append(
+            "CPU tensors next to GPU ones"
+            + (f" ({', '.join(cpu)})" if cpu else "")
+            + ": CPU work runs only at capture, and host inputs are staged through pinned buffers with a "
+            "synchronisation. Move them to the GPU first."
+        )
+
+    for prefix, root in state.named_modules_roots():
+        for name, m in root.named_modules():
+            hooks = [
+                h
+                for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+                if getattr(m, h, None)
+            ]
+            if hooks:
+                hazards.append(
+                    f"{prefix}{'.' + name if name else ''} has {', '.join(h.strip('_') for h in hooks)}: their Python runs "
+                    "at capture only; tensor work they do is replayed, anything else (counters, logging) is not."
+                )
+
+    for opt in state.optimizers:
+        kind = type(opt).__name__
+        if kind in _NOT_CAPTURABLE:
+            hazards.append(f"{kind} cannot be captured (it needs a closure or sparse grads).")
+        elif (
+            "cuda" in devices
+            and "capturable" in opt.defaults
+            and not any(g.get("capturable") or g.get("fused") for g in opt.param_groups)
+        ):
+            hazards.append(f"{kind} is not capturable: construct it with capturable=True (or fused=True).")
+
+    if backend.static_buffers:
+        hazards += [f"host sync at {site}" for site in _dry_run_syncs(step, backend, args, kwargs)]
+
+    named = list(named_state_tensors(state, fn))
+    guarded = {
+        "parameters and buffers": sum(
+            1 for n, _ in named if n.startswith(tuple(p for p, _ in state.named_modules_roots()))
+        ),
+        "optimizer state tensors": sum(1 for n, _ in named if ".state[" in n),
+        "modules (train/eval)": sum(1 for _, r in state.named_modules_roots() for _ in r.modules()),
+        "optimizers (param groups, hyperparameters)": len(state.optimizers),
+    }
+    return Explanation(
+        backend=backend.name,
+        signature=signature.describe(),
+        copied=copied,
+        key_values=key_values,
+        guarded=guarded,
+        bindings=[label for label, _, _ in bindings(fn)],
+        hazards=hazards,
+    )
+
+
+def _dry_run_syncs(step: CapturedStep, backend: Any, args: tuple, kwargs: dict) -> list[str]:
+    """Run the step once eagerly, note its host syncs, and take everything it did back."""
+    cuda = backend.name == "cuda"
+    refs = Snapshot.take(step._state, [backend.index] if cuda else [])
+    undo = UndoLog()
+    try:
+        with HostSyncWatch(cuda=cuda) as watch, undo:
+            step._fn(*args, **kwargs)
+    finally:
+        undo.roll_back()
+        refs.restore()
+    return watch.sites

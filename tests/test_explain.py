@@ -1,0 +1,50 @@
+"""`graphstep.explain`: a dry run that reports inputs, state and hazards, and changes nothing."""
+
+from __future__ import annotations
+
+import torch
+
+import graphstep
+from cpu_common import batches, sgd_step
+
+
+def test_explain_reports_inputs_state_and_host_syncs_without_changing_anything(twins):
+    (_, _), (model, opt) = twins
+    inner = sgd_step(model, opt)
+
+    def fn(x, y, scale):
+        loss = inner(x, y) * scale
+        print(loss.item())
+        return loss
+
+    model.fc1.register_forward_hook(lambda *a: None)
+    step = graphstep.capture(fn, model=model, optimizer=opt, config=graphstep.Config(backend="recording"))
+    x, y = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    report = graphstep.explain(step, x, y, 0.5)
+    text = str(report)
+    assert report.backend == "recording"
+    assert "args[0] (float32[4, 8] on cpu)" in text
+    assert "args[2]=0.5" in text and "args[2] is a Python float in the key" in text
+    assert any("print(loss.item())" in h for h in report.hazards), report.hazards
+    assert any("model.fc1 has forward_hooks" in h for h in report.hazards), report.hazards
+    assert (
+        report.guarded["parameters and buffers"] == 4
+        and report.guarded["optimizers (param groups, hyperparameters)"] == 1
+    )
+    # The dry run left no trace.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert step.stats.warmup_calls == 0
+
+
+def test_explain_finds_nothing_wrong_with_a_clean_step(twins):
+    (_, _), (model, opt) = twins
+    step = graphstep.capture(
+        sgd_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
+    )
+    report = graphstep.explain(step, *batches(1)[0])
+    assert report.hazards == [], report.hazards
+    assert "hazards: none found" in str(report)
