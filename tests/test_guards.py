@@ -63,7 +63,7 @@ def test_param_data_reassigned_is_recaptured_and_named(caplog):
     assert "model.fc1.weight: storage moved" in caplog.text
 
 
-def test_optimizer_load_state_dict_is_recaptured():
+def test_optimizer_load_state_dict_between_calls_stays_equal():
     twins = Twins()
     data = batches(9)
     run(twins, data[:5])
@@ -72,7 +72,8 @@ def test_optimizer_load_state_dict_is_recaptured():
     twins.opt.load_state_dict(saved_e)
     twins.twin_opt.load_state_dict(saved_g)
     run(twins, data[7:])
-    assert twins.step.stats.captures == 2
+    # graphstep's optimizer support copies a same-layout state into the tensors the graph reads.
+    assert twins.step.stats.captures == 1
 
 
 def test_eval_then_train_is_recaptured():

@@ -34,6 +34,7 @@ from .errors import (
     UnsupportedOutputError,
 )
 from .guards import StateGuard, bindings, named_state_tensors
+from .optim import OptimizerAdapter
 from .recording import RecordingBackend
 from .signature import Signature
 from .state import Snapshot, TrainingState, as_list
@@ -76,6 +77,8 @@ class _Entry:
     recaptures: int = 0
     stale: bool = False
     """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
+    optimizer_layout: tuple = ()
+    """`OptimizerAdapter.state_layout()` at capture: which parameters had which optimizer state."""
     sync_sites: list[str] = dataclasses.field(default_factory=list)
     """Where the last warm-up synchronised with the host; capture is refused while non-empty."""
 
@@ -105,6 +108,7 @@ class CapturedStep:
         self._entries: dict[Signature, _Entry] = {}
         self._eager_keys: set[Signature] = set()
         self._backend: Backend | None = None
+        self._optim = OptimizerAdapter([])  # replaced once the first call found the optimizers
         self._stats = StepStats()
         self._busy = False
         self._closed = False
@@ -154,8 +158,7 @@ class CapturedStep:
                 entry.recording.release()
         self._entries.clear()
         self._eager_keys.clear()
-        if self._backend is not None and not self._closed:
-            self._backend.renew_pool()
+        self._renew_pool_if_unused()
 
     def close(self) -> None:
         """Release the graphs and the memory pool. Needed before `destroy_process_group`."""
@@ -185,6 +188,7 @@ class CapturedStep:
     def _call(self, args: tuple, kwargs: dict) -> Any:
         signature, leaves = Signature.of(args, kwargs)
         backend = self._backend_for(leaves)
+        self._optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
         entry = self._entry(signature, backend)
         if entry is None or entry.stale:
             return self._run_eager(signature, args, kwargs)
@@ -248,6 +252,7 @@ class CapturedStep:
             raise self._capture_error(exc) from exc
         recording.outputs = sig.unflatten(entry.output_spec, entry.output_tensors)
         entry.recording = recording
+        entry.optimizer_layout = self._optim.state_layout()
         if self.config.check != "off":
             entry.guard = StateGuard(
                 self._state, self._fn, strict=self.config.check == "strict", grads_before=snapshot.grads
@@ -318,6 +323,13 @@ class CapturedStep:
             warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=4)
             return self._run_eager(entry.signature, args, kwargs)
         log.warning("graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what)
+        if self._optim.state_layout() != entry.optimizer_layout:
+            # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
+            # now would record the lazy first step forever. Warm up once more first.
+            old.release()
+            self._renew_pool_if_unused()
+            entry.warmups = self.config.warmup_steps - 1
+            return self._warm_up(entry, backend, args, kwargs)
         try:
             return self._capture(entry, backend, leaves, args, kwargs)
         finally:
@@ -340,6 +352,10 @@ class CapturedStep:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _renew_pool_if_unused(self) -> None:
+        if self._backend is not None and not self._closed and self._pool_is_free():
+            self._backend.renew_pool()
+
     def _pool_is_free(self) -> bool:
         """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
         return not any(e.recording is not None for e in self._entries.values())
@@ -348,7 +364,10 @@ class CapturedStep:
         if self._backend is None:
             # Modules and optimizers the step reaches through its closure or globals are state too.
             self._state.discover((label, value) for label, _, value in bindings(self._fn))
+            self._optim = OptimizerAdapter(self._state.optimizers)
             self._backend = _choose_backend(self.config, leaves, self._state, self._name)
+            if self._backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
+                self._optim.prepare(getattr(self._backend, "device", "cpu"))
         return self._backend
 
     def _entry(self, signature: Signature, backend: Backend) -> _Entry | None:

@@ -28,9 +28,9 @@ guards notice a change and capture again. `fused`/`foreach` are kept as the user
 A scheduler or a user may also *assign* `group["lr"] = 0.01` (torch < 2.10 does so in
 SequentialLR, CyclicLR and CosineAnnealingWarmRestarts; ReduceLROnPlateau on older releases).
 `before_call`, run before every call of the step, copies such a value into the tensor the graph
-reads and puts that tensor back. `optimizer.load_state_dict` replaces every state tensor and
-param group; hooks installed by `prepare` copy the loaded values into the tensors the graph
-already uses instead, so loading a checkpoint between calls needs no re-capture.
+reads and puts that tensor back. `optimizer.load_state_dict` replaces the state, the param groups
+and every tensor in them; hooks installed by `prepare` copy the loaded values into the objects the
+graph already uses instead, so resuming from a checkpoint between calls needs no re-capture.
 
 Bitwise equality with eager holds for the *same* optimizer settings: a capturable optimizer with
 a float32 tensor lr computes in a different order than the default one, and a float32 lr rounds
@@ -91,19 +91,13 @@ _REFUSED = {
     ),
 }
 
-# Where the optimizer's own code reads a 0-d tensor lr on the device (no .item()), given the
-# group's flags after `prepare`. Keyed by class name; `_known_class` checks `step` is not overridden.
+# Which flags make the optimizer's own code read a 0-d tensor lr on the device (no .item()),
+# after `prepare`. Keyed by class name; `_known_class` checks that `step` is not overridden.
 _TENSOR_LR = {
-    "Adam": lambda g, foreach: bool(g.get("fused") or g.get("capturable")),
-    "AdamW": lambda g, foreach: bool(g.get("fused") or g.get("capturable")),
-    "Adamax": lambda g, foreach: bool(g.get("capturable")),
-    "NAdam": lambda g, foreach: bool(g.get("capturable")),
-    "RAdam": lambda g, foreach: bool(g.get("capturable")),
-    "ASGD": lambda g, foreach: bool(g.get("capturable")),
-    "Adadelta": lambda g, foreach: bool(g.get("capturable") and foreach),
-    "RMSprop": lambda g, foreach: bool(g.get("capturable") and foreach),
-    "SGD": lambda g, foreach: bool(g.get("fused")),
-    "Adagrad": lambda g, foreach: bool(g.get("fused")),
+    **dict.fromkeys(["Adam", "AdamW"], ("fused", "capturable")),  # either flag
+    **dict.fromkeys(["Adamax", "NAdam", "RAdam", "ASGD"], ("capturable",)),
+    **dict.fromkeys(["Adadelta", "RMSprop"], ("capturable+foreach",)),
+    **dict.fromkeys(["SGD", "Adagrad"], ("fused",)),
 }
 
 _WHY_FLOAT = {
@@ -178,16 +172,15 @@ def plan(optimizer: Optimizer, device: torch.device | str) -> list[GroupPlan]:
     for group in optimizer.param_groups:
         capturable = "capturable" in group and capturable_device and not group.get("differentiable")
         flags = dict(group, capturable=group.get("capturable") or capturable)
-        rule = _TENSOR_LR.get(name or "")
-        ok = rule is not None and not group.get("differentiable") and rule(flags, _foreach_runs(flags))
-        why = ""
-        if not ok:
-            why = _WHY_FLOAT.get(name or "", "") or (
-                f"graphstep does not know whether {type(optimizer).__qualname__} reads a tensor lr without "
-                ".item()"
-                if name is None
-                else f"{name} reads a tensor lr with .item() with these flags (capturable={flags.get('capturable')})"
-            )
+        on = {
+            "fused": bool(flags.get("fused")),
+            "capturable": bool(flags.get("capturable")),
+            "capturable+foreach": bool(flags.get("capturable")) and _foreach_runs(flags),
+        }
+        ok = not group.get("differentiable") and any(on[f] for f in _TENSOR_LR.get(name or "", ()))
+        why = "" if ok else _WHY_FLOAT.get(name or "", "")
+        if not ok and not why:
+            why = f"{name or type(optimizer).__qualname__} is not known to read a tensor lr without .item() here"
         plans.append(GroupPlan(capturable=capturable, tensor_lr=ok, why_float=why))
     return plans
 
@@ -241,6 +234,19 @@ class OptimizerAdapter:
             for group, lr in zip(groups, lrs):
                 if lr is not None and group["lr"] is not lr:
                     _absorb(group, lr)
+
+    def state_layout(self) -> tuple:
+        """Which parameters have optimizer state, and which keys: changes while state is still being
+        created lazily (the first step, or the step after loading a state without it).
+
+        A capture must not record such a step: it would bake a first step's branch (fused SGD's
+        `is_first_step`, Adam creating zeroed moments) into every replay. Compare it before and
+        after a warm-up call and warm up again while it changes. O(parameters): not per replay.
+        """
+        return tuple(
+            (id(opt.state), tuple(len(opt.state.get(p, ())) for g in opt.param_groups for p in g["params"]))
+            for opt in self.optimizers
+        )
 
     def _adopt_new_groups(self, optimizer: Optimizer, lrs: list) -> None:
         # add_param_group after prepare: treat the new groups as prepare would. Their parameters
@@ -305,7 +311,10 @@ def _apply(optimizer: Optimizer, group: dict, p: GroupPlan, device: torch.device
 
 def _absorb(group: dict, lr: torch.Tensor) -> None:
     """Write group["lr"]'s value into `lr` (stream-ordered, no host sync) and put `lr` back."""
-    value = group["lr"]
+    group["lr"] = _write_lr(group["lr"], lr)
+
+
+def _write_lr(value: object, lr: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
@@ -319,7 +328,7 @@ def _absorb(group: dict, lr: torch.Tensor) -> None:
             raise GraphStepError(
                 f"a param group's lr is a {type(value).__qualname__} ({value!r}); it must be a number."
             )
-    group["lr"] = lr
+    return lr
 
 
 def _move_host_state(optimizer: Optimizer) -> None:
@@ -341,52 +350,71 @@ _hooked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
 def _install_load_hooks(optimizer: Optimizer) -> None:
-    """Make `optimizer.load_state_dict` write into the tensors a graph already reads.
+    """Make `optimizer.load_state_dict` write into the tensors and containers a graph already uses.
 
-    load_state_dict replaces the state tensors and param groups with new objects, which a graph
-    would never see. The pre-hook remembers the old ones; the post-hook copies the loaded values
-    into them (same shape, dtype and device) and puts them back, and restores capturable and the
-    lr tensors. Anything else (new keys, other shapes) stays as loaded, for the guards to see.
+    load_state_dict builds a new `state` dict, new param group dicts and new tensors, none of
+    which a captured graph (or the guards, which check the containers' identity) would see. The
+    pre-hook remembers the old ones; the post-hook writes the loaded values into them and puts
+    them back: group values in place (a changed Python hyperparameter is then seen by the guards),
+    lr through the adapter's tensor, and the state tensors copied in place, but only if every one
+    of them matches (same parameters, keys, shapes, dtypes, devices, equal non-tensor values).
+    Otherwise the loaded state stays as torch made it, and the guards capture the step again.
     """
     if optimizer in _hooked:
         return
     stash: dict = {}
 
     def pre(opt: Optimizer, state_dict: dict) -> None:
-        stash["state"] = {p: dict(s) for p, s in opt.state.items()}
-        stash["groups"] = [dict(g) for g in opt.param_groups]
+        stash["before"] = (
+            opt.state,
+            opt.param_groups,
+            list(opt.param_groups),
+            [dict(g) for g in opt.param_groups],
+        )
 
     def post(opt: Optimizer) -> None:
-        _restore_after_load(opt, stash.pop("state", {}), stash.pop("groups", []))
+        _restore_after_load(opt, *stash.pop("before"))
 
     optimizer.register_load_state_dict_pre_hook(pre)
     optimizer.register_load_state_dict_post_hook(post)
     _hooked.add(optimizer)
 
 
-def _restore_after_load(optimizer: Optimizer, old_state: dict, old_groups: list[dict]) -> None:
-    for old, new in zip(old_groups, optimizer.param_groups):
-        if old.get("capturable") and "capturable" in new:
-            new["capturable"] = True  # a checkpoint saved by an eager, non-capturable twin
-        lr = old.get("lr")
-        if isinstance(lr, torch.Tensor) and new.get("lr") is not lr:
-            _absorb(new, lr)
-    _move_host_state(optimizer)
+def _same_slot(old: object, new: object) -> bool:
+    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+        return (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+    return not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) and old == new
+
+
+def _restore_after_load(
+    optimizer: Optimizer, old_state: dict, old_list: list, old_dicts: list[dict], old_values: list[dict]
+) -> None:
     with torch.no_grad():
-        for param, state in optimizer.state.items():
-            before = old_state.get(param, {})
-            for key, value in state.items():
-                kept = before.get(key)
-                if (
-                    isinstance(kept, torch.Tensor)
-                    and isinstance(value, torch.Tensor)
-                    and kept is not value
-                    and kept.shape == value.shape
-                    and kept.dtype == value.dtype
-                    and kept.device == value.device
-                ):
-                    kept.copy_(value)
-                    state[key] = kept
+        for group, before, loaded in zip(old_dicts, old_values, optimizer.param_groups):
+            group.clear()
+            group.update(loaded)  # the same `params` list: load_state_dict keeps it
+            if before.get("capturable") and "capturable" in group:
+                group["capturable"] = True  # e.g. a checkpoint saved by a non-capturable eager twin
+            for key, kept in before.items():
+                if key == "lr" and isinstance(kept, torch.Tensor) and group["lr"] is not kept:
+                    group["lr"] = _write_lr(group["lr"], kept)
+                elif key != "params" and isinstance(kept, torch.Tensor) and _same_slot(kept, group.get(key)):
+                    group[key] = kept.copy_(group[key])  # initial_lr and the like, tracked by the guards
+        old_list[:] = old_dicts
+        optimizer.param_groups = old_list
+        _move_host_state(optimizer)  # host `step` tensors of a non-capturable checkpoint
+        loaded = optimizer.state
+        fits = set(loaded) == set(old_state) and all(
+            set(loaded[p]) == set(s) and all(_same_slot(v, loaded[p][k]) for k, v in s.items())
+            for p, s in old_state.items()
+        )
+        if not fits:
+            return
+        for p, s in old_state.items():
+            for key, kept in s.items():
+                if isinstance(kept, torch.Tensor) and loaded[p][key] is not kept:
+                    kept.copy_(loaded[p][key])
+        optimizer.state = old_state
 
 
 def _log_plan(optimizer: Optimizer, group_plans: list[GroupPlan]) -> None:

@@ -32,11 +32,13 @@ def gpt_pair(cfg: GPTConfig = SMALL, **adamw) -> tuple[tuple, tuple]:
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     twin = copy.deepcopy(model)
-    options = {"lr": 1e-3, "capturable": True, **adamw}
-    return (model, torch.optim.AdamW(model.parameters(), **options)), (
-        twin,
-        torch.optim.AdamW(twin.parameters(), **options),
-    )
+    options = {"lr": 1e-3, **adamw}
+    pairs = []
+    for m in (model, twin):
+        opt = torch.optim.AdamW(m.parameters(), **options)
+        graphstep.optim.make_capturable(opt, "cuda")  # what graphstep does to the captured one
+        pairs.append((m, opt))
+    return pairs[0], pairs[1]
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:

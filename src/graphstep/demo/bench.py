@@ -1,6 +1,6 @@
 """`graphstep bench`: every way to run a training step, side by side on one GPU, in one run.
 
-Methods (same model, data, AdamW(capturable=True), clip_grad_norm_(1.0), bf16 autocast):
+Methods (same model, data, AdamW made capturable with a tensor lr, clip_grad_norm_(1.0), bf16 autocast):
   eager               the step as written
   compile             torch.compile(model); backward, clip and optimizer eager
   reduce_overhead     torch.compile(model, mode="reduce-overhead"): cudagraph trees around the
@@ -360,7 +360,7 @@ def _meta(
         gpu=gpu_slug(gpu_name), gpu_name=gpu_name, torch=torch.__version__, cuda=torch.version.cuda,
         date=datetime.date.today().isoformat(), python=platform.python_version(),
         graphstep=getattr(graphstep, "__version__", None), quick=quick, methods=list(methods), configs=details,
-        step=f"AdamW(lr={LR}, capturable=True, torch's default foreach), clip_grad_norm_({CLIP_NORM}), "
+        step=f"AdamW(lr={LR}, graphstep.optim.make_capturable: capturable=True, lr a device tensor; foreach), clip_grad_norm_({CLIP_NORM}), "
         "bf16 autocast, zero_grad(set_to_none=True); deterministic algorithms off",
         measurement=MEASUREMENT,
     )  # fmt: skip

@@ -46,11 +46,14 @@ StepFn = Callable[[Tensor, Tensor], Tensor]
 def make_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with torch's default implementation choice (foreach on CUDA).
 
-    capturable=True on CUDA for every run, eager ones included: it keeps the step count on the GPU,
-    which a CUDA graph needs, and it is a different code path from capturable=False, so eager and
-    graph runs must both use it to be bitwise comparable. CPU optimizers cannot be capturable.
+    On CUDA every run, eager ones included, gets the settings graphstep gives a captured optimizer
+    (`graphstep.optim.make_capturable`: capturable=True, lr as a device tensor). They are a different
+    code path from the defaults, so eager and graph runs must both use them to be bitwise comparable.
     """
-    return torch.optim.AdamW(model.parameters(), lr=LR, capturable=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if device.type == "cuda":
+        graphstep.optim.make_capturable(opt, device)
+    return opt
 
 
 def make_train_step(model: nn.Module, opt: torch.optim.Optimizer, *, amp: bool) -> StepFn:
