@@ -37,3 +37,7 @@ class VerificationError(GraphStepError):
 
 class ClosedError(GraphStepError):
     """The captured step was closed; create a new one."""
+
+
+class UnsupportedOptimizerError(GraphStepError):
+    """The optimizer cannot run inside a CUDA graph (it needs a closure or reads values on the host)."""

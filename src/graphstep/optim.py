@@ -62,15 +62,11 @@ from collections.abc import Iterable
 import torch
 from torch.optim import Optimizer
 
-from .errors import GraphStepError
+from .errors import GraphStepError, UnsupportedOptimizerError
 
 log = logging.getLogger("graphstep")
 
 __all__ = ["OptimizerAdapter", "UnsupportedOptimizerError", "host_sync_hint", "make_capturable", "plan"]
-
-
-class UnsupportedOptimizerError(GraphStepError):
-    """The optimizer cannot run inside a CUDA graph (it needs a closure or reads values on the host)."""
 
 
 _REFUSED = {
