@@ -272,3 +272,23 @@ def test_bad_model_and_optimizer_arguments():
         graphstep.capture(lambda: None, model="not a module")
     with pytest.raises(graphstep.errors.UnsupportedInputError, match="optimizer"):
         graphstep.capture(lambda: None, optimizer=[torch.nn.Linear(1, 1)])
+
+
+def test_an_eval_step_shares_the_training_steps_backend(twins):
+    (_, _), (model, opt) = twins
+    train = graphstep.capture(sgd_step(model, opt), model=model, optimizer=opt, config=RECORDING)
+
+    @torch.no_grad()
+    def evaluate(x, y):
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    evaluation = graphstep.capture(evaluate, model=model, share_pool_with=train, config=RECORDING)
+    x, y = batches(1)[0]
+    with pytest.raises(GraphStepError, match="call that step once first"):
+        evaluation(x, y)
+    train(x, y)
+    evaluation(x, y)
+    assert evaluation._backend is train._backend and train._backend.users == 2
+    evaluation.close()
+    assert train._backend.users == 1
+    train.close()

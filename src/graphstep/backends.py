@@ -37,6 +37,10 @@ class Recording(Protocol):
 
 class Backend(Protocol):
     name: str
+    graphs: int
+    """Graphs alive in this backend's pool (CUDA; 0 elsewhere)."""
+    users: int
+    """Captured steps using this backend."""
     static_buffers: bool
     """Replays read fixed input buffers, so each call's tensors must be copied into them, and
     write fixed output buffers, which the next replay overwrites."""
@@ -49,7 +53,10 @@ class Backend(Protocol):
         scratch between its replays must not hold tensors that outlive an eager call."""
         ...
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording: ...
+    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+        """Record the step. `generators`: the step's own CUDA `torch.Generator`s, which a graph
+        must know to advance them on every replay as eager would."""
+        ...
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """An empty tensor with `like`'s shape, dtype, device and stride, for a static input."""
@@ -86,11 +93,13 @@ class EagerBackend:
     name = "eager"
     static_buffers = False
     capture_executes = True
+    graphs = 0  # no pool to share: these never change
+    users = 0
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:
+    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
         # The step runs here; if it (or the check of its outputs) fails, take its writes back.
         undo = UndoLog()
         try:
@@ -123,17 +132,21 @@ def _allocator_calls() -> tuple[Callable, Callable, Callable]:
 
 
 class _CudaRecording:
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any):
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, backend: CudaGraphBackend):
         self.graph = graph
         self.outputs = outputs
+        self.backend = backend
+        backend.graphs += 1
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
         self.graph.replay()
         return self.outputs
 
     def release(self) -> None:
-        self.graph.reset()
-        self.outputs = None
+        if self.graph is not None:
+            self.graph.reset()
+            self.backend.graphs -= 1
+        self.graph = self.outputs = None
 
 
 class CudaGraphBackend:
@@ -151,6 +164,10 @@ class CudaGraphBackend:
         # capture: an `empty_cache` in between cannot hand warm-up's cached blocks back to
         # the driver, so capture re-uses them and peak memory stays near eager's.
         self.pool = self._new_pool()
+        self.graphs = 0
+        """Graphs alive in the pool, of every step that shares this backend."""
+        self.users = 0
+        """Captured steps using this backend (`capture(share_pool_with=...)`); close() at the last."""
         self._prime_library_workspaces()
 
     def _new_pool(self) -> tuple[int, int]:
@@ -198,8 +215,10 @@ class CudaGraphBackend:
         with self._on_capture_stream(), self._in_pool() if in_pool else contextlib.nullcontext():
             return fn(*args, **kwargs)
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> Recording:
+    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
         graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            graph.register_generator_state(generator)
         torch.cuda.synchronize(self.index)
         gc.collect()  # a collection inside capture could free memory a kernel is using
         gc_was_enabled = gc.isenabled()
@@ -221,7 +240,7 @@ class CudaGraphBackend:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        return _CudaRecording(graph, outputs)
+        return _CudaRecording(graph, outputs, self)
 
     def _abandon_pool(self) -> None:
         """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:

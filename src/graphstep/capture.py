@@ -49,18 +49,31 @@ def capture(
     *,
     model: torch.nn.Module | list[torch.nn.Module] | None = None,
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    generators: list[torch.Generator] | None = None,
+    share_pool_with: CapturedStep | None = None,
     config: Config | None = None,
 ) -> Any:
     """Capture a whole training step into CUDA graphs.
 
     Use as `@graphstep.capture`, `@graphstep.capture(model=m, optimizer=opt)`, or
     `graphstep.capture(step_fn, ...)`. `model` and `optimizer` tell graphstep which state the
-    step trains; they are optional, but without them it cannot restore that state after a
-    failed capture. Returns a `CapturedStep` that keeps `fn`'s signature.
+    step trains; modules and optimizers in the step's closure or globals are found too.
+    `generators`: CUDA `torch.Generator`s the step draws from (those in its closure or globals
+    are found); the graph advances them on every replay as eager would. `share_pool_with`:
+    another captured step (an evaluation step beside the training step) whose memory pool and
+    capture stream this one uses; call that one first. Returns a `CapturedStep` that keeps
+    `fn`'s signature.
     """
+    options = {
+        "model": model,
+        "optimizer": optimizer,
+        "generators": generators,
+        "share_pool_with": share_pool_with,
+        "config": config,
+    }
     if fn is None:
-        return functools.partial(capture, model=model, optimizer=optimizer, config=config)
-    return CapturedStep(fn, model=model, optimizer=optimizer, config=config)
+        return functools.partial(capture, **options)
+    return CapturedStep(fn, **options)
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,6 +105,8 @@ class CapturedStep:
         *,
         model: Any = None,
         optimizer: Any = None,
+        generators: list[torch.Generator] | None = None,
+        share_pool_with: CapturedStep | None = None,
         config: Config | None = None,
     ):
         if not callable(fn):
@@ -108,6 +123,12 @@ class CapturedStep:
         self._entries: dict[Signature, _Entry] = {}
         self._eager_keys: set[Signature] = set()
         self._backend: Backend | None = None
+        self._generators = list(generators or [])
+        if share_pool_with is not None and not isinstance(share_pool_with, CapturedStep):
+            raise TypeError(
+                f"share_pool_with takes a CapturedStep; got {type(share_pool_with).__qualname__}."
+            )
+        self._share = share_pool_with
         self._optim = OptimizerAdapter([])  # replaced once the first call found the optimizers
         self._stats = StepStats()
         self._busy = False
@@ -166,7 +187,9 @@ class CapturedStep:
             return
         self.reset()
         if self._backend is not None:
-            self._backend.close()
+            self._backend.users -= 1
+            if self._backend.users <= 0:  # the last step sharing it
+                self._backend.close()
         self._closed = True
         _live_steps.discard(self)
 
@@ -244,7 +267,7 @@ class CapturedStep:
             return outputs
 
         try:
-            recording = backend.capture(checked_step, args, kwargs)
+            recording = backend.capture(checked_step, args, kwargs, self._generators)
         except BaseException as exc:
             snapshot.restore()
             if isinstance(exc, GraphStepError) or not isinstance(exc, Exception):
@@ -358,14 +381,31 @@ class CapturedStep:
 
     def _pool_is_free(self) -> bool:
         """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
-        return not any(e.recording is not None for e in self._entries.values())
+        return self._backend.graphs == 0
 
     def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
         if self._backend is None:
             # Modules and optimizers the step reaches through its closure or globals are state too.
-            self._state.discover((label, value) for label, _, value in bindings(self._fn))
+            found = [(label, value) for label, _, value in bindings(self._fn)]
+            self._state.discover(found)
+            self._generators += [
+                g
+                for _, g in found
+                if isinstance(g, torch.Generator)
+                and g.device.type == "cuda"
+                and not any(g is known for known in self._generators)
+            ]
             self._optim = OptimizerAdapter(self._state.optimizers)
-            self._backend = _choose_backend(self.config, leaves, self._state, self._name)
+            if self._share is not None:
+                if self._share._backend is None:
+                    raise GraphStepError(
+                        f"{self._name} shares the pool of {self._share._name}, which has not run yet: "
+                        "call that step once first."
+                    )
+                self._backend = self._share._backend
+            else:
+                self._backend = _choose_backend(self.config, leaves, self._state, self._name)
+            self._backend.users += 1
             if self._backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
                 self._optim.prepare(getattr(self._backend, "device", "cpu"))
         return self._backend

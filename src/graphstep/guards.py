@@ -117,11 +117,11 @@ def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[st
 
 
 def bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
-    """Closure cells and globals of the step that hold tensors, modules or optimizers.
+    """Closure cells and globals of the step that hold tensors, modules, optimizers or generators.
 
     Each as `(label, read, object)`: `read()` gives what the name refers to now.
     """
-    kinds = (torch.Tensor, nn.Module, torch.optim.Optimizer)
+    kinds = (torch.Tensor, nn.Module, torch.optim.Optimizer, torch.Generator)
     code = getattr(fn, "__code__", None)
     if code is None:
         return []

@@ -95,11 +95,13 @@ class RecordingBackend:
     name = "recording"
     static_buffers = True
     capture_executes = True
+    graphs = 0  # no pool to share: these never change
+    users = 0
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict) -> _OpRecording:
+    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> _OpRecording:
         recorder = _Recorder()
         try:
             with recorder:

@@ -142,3 +142,36 @@ def test_item_inside_the_step_is_refused_before_capture():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.cuda.get_sync_debug_mode() == 0
     step.close()
+
+
+def test_verify_every_agrees_with_eager_on_the_gpu():
+    (m_e, o_e), (m_g, o_g) = gpt_pair()
+    data = batches(20)
+    eager_fn = train_step(m_e, o_e)
+    config = graphstep.Config(verify_every=3)
+    with (
+        deterministic(),
+        graphstep.capture(train_step(m_g, o_g), model=m_g, optimizer=o_g, config=config) as step,
+    ):
+        for i, (x, y) in enumerate(data):
+            assert torch.equal(eager_fn(x, y), step(x, y)), f"step {i}"
+        assert step.stats.replays == 16
+    assert_same_params(m_e, m_g)
+
+
+def test_explain_on_the_gpu_finds_the_host_sync_and_changes_nothing():
+    (_, _), (model, opt) = gpt_pair()
+    inner = train_step(model, opt)
+
+    def fn(x, y):
+        loss = inner(x, y)
+        return loss if loss.item() > 0 else -loss
+
+    step = graphstep.capture(fn, model=model, optimizer=opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    report = graphstep.explain(step, *batches(1)[0])
+    assert report.backend == "cuda"
+    assert any("loss.item() > 0" in h for h in report.hazards), report.hazards
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    step.close()

@@ -482,13 +482,8 @@ def test_manual_seed_between_calls_is_respected(model):
     compare(make_model, make, data())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TODO(issue 4): graphstep does not register user CUDA generators with the graph yet "
-    "(CUDAGraph.register_generator_state); capture fails with 'Attempt to increase offset for a CUDA "
-    "generator not in capture mode'. See the optimizer report for the proposed API.",
-)
 def test_user_cuda_generator_inside_the_step():
+    """A generator in the step's closure is found and registered with the graph."""
     gen_seed = 7
 
     def make(m: nn.Module) -> Training:
@@ -607,7 +602,6 @@ def test_load_state_dict_between_calls_rewinds_like_eager(model):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_no_grad_eval_step_beside_the_training_step(model):
-    # Sharing one memory pool between two captured steps has no API yet: each step has its own.
     make_model, data_of = MODELS[model]
     data = data_of()
     runs = []
@@ -623,7 +617,7 @@ def test_no_grad_eval_step_beside_the_training_step(model):
         train_step, eval_step = plain_step(m, opt), evaluate
         if graphed:
             train_step = graphstep.capture(train_step, model=m, optimizer=opt)
-            eval_step = graphstep.capture(evaluate, model=m)
+            eval_step = graphstep.capture(evaluate, model=m, share_pool_with=train_step)
         torch.manual_seed(SEED)
         losses, evals = [], []
         with deterministic():
@@ -641,5 +635,7 @@ def test_no_grad_eval_step_beside_the_training_step(model):
     assert_same_losses(evals_e, evals_g)
     assert_same_model(m_e, m_g)
     assert eval_g.stats.replays >= N_STEPS // 2 - 4 and train_g.stats.captures == 1
+    pools = {e.recording.graph.pool() for step in (train_g, eval_g) for e in step._entries.values()}
+    assert eval_g._backend is train_g._backend and len(pools) == 1, pools
     train_g.close()
     eval_g.close()
