@@ -155,7 +155,7 @@ def test_verify_every_agrees_with_eager_on_the_gpu():
     ):
         for i, (x, y) in enumerate(data):
             assert torch.equal(eager_fn(x, y), step(x, y)), f"step {i}"
-        assert step.stats.replays == 16
+        assert step.stats.replays == 17  # 3 warm-ups; the capturing call replays too
     assert_same_params(m_e, m_g)
 
 
