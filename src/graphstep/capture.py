@@ -23,15 +23,13 @@ import torch
 from . import signature as sig
 from .backends import Backend, CudaGraphBackend, EagerBackend, Recording
 from .config import Config
-from .diagnostics import HostSyncWatch, StepStats, is_host_sync, likely_cause, log, where
+from .diagnostics import HostSyncWatch, StepStats, capture_error, log
 from .errors import (
-    CaptureError,
     ClosedError,
     GraphStepError,
     HostSyncError,
     StaleGraphError,
     TooManyGraphsError,
-    UnsupportedOutputError,
 )
 from .guards import StateGuard, bindings, named_state_tensors
 from .optim import OptimizerAdapter
@@ -263,7 +261,9 @@ class CapturedStep:
         def checked_step(*a: Any, **k: Any) -> Any:
             # Inside the capture, so that a refused output also undoes what the step did.
             outputs = self._fn(*a, **k)
-            entry.output_spec, entry.output_tensors = self._check_outputs(outputs, backend)
+            entry.output_spec, entry.output_tensors = sig.replayable_outputs(
+                outputs, self._name, device_only=isinstance(backend, CudaGraphBackend)
+            )
             return outputs
 
         try:
@@ -272,7 +272,7 @@ class CapturedStep:
             snapshot.restore()
             if isinstance(exc, GraphStepError) or not isinstance(exc, Exception):
                 raise
-            raise self._capture_error(exc) from exc
+            raise capture_error(self._name, exc) from exc
         recording.outputs = sig.unflatten(entry.output_spec, entry.output_tensors)
         entry.recording = recording
         entry.optimizer_layout = self._optim.state_layout()
@@ -450,44 +450,12 @@ class CapturedStep:
                         torch.cuda.current_stream(self._backend.index).synchronize()
                     buffer.copy_(t)
 
-    def _check_outputs(self, outputs: Any, backend: Backend) -> tuple[Any, list[torch.Tensor]]:
-        tensors, spec = sig.flatten(outputs)
-        metas = iter(tensors)
-        for path, leaf in sig.paths(spec, "output"):
-            if sig.is_tensor_leaf(leaf):
-                t = next(metas)
-                if isinstance(backend, CudaGraphBackend) and t.device.type != "cuda":
-                    raise UnsupportedOutputError(
-                        f"{self._name} returns a {t.device.type} tensor at {path}. A CUDA graph replays only "
-                        "device work, so this value would stay what it was at capture. Return it on the GPU."
-                    )
-            elif sig.value_of(leaf) is not None:
-                value = sig.value_of(leaf)
-                raise UnsupportedOutputError(
-                    f"{self._name} returns a {type(value).__name__} ({value!r}) at {path}. A replay runs no "
-                    "Python, so it cannot compute this value again: every replay would return the value "
-                    "from capture. Return a tensor instead (for example torch.as_tensor(x, device=...)), or "
-                    "compute the value outside the step."
-                )
-        return spec, [t.detach() for t in tensors]
-
     def _deliver(self, entry: _Entry, outputs: Any) -> Any:
         if not self._backend.static_buffers:
             return _detached(outputs)
         if self.config.outputs == "graph":
             return outputs
         return sig.unflatten(entry.output_spec, [t.clone() for t in entry.output_tensors])
-
-    def _capture_error(self, exc: Exception) -> CaptureError:
-        cause = likely_cause(exc)
-        kind = HostSyncError if is_host_sync(exc) else CaptureError
-        return kind(
-            f"capturing {self._name} failed at {where(exc.__traceback__)}.\n"
-            f"Likely cause: {cause}.\n"
-            f"Original error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
-            "Nothing was lost: the model, optimizer and inputs are as they were before this call, and the "
-            "step can be called again."
-        )
 
 
 def _detached(outputs: Any) -> Any:

@@ -110,6 +110,21 @@ def is_host_sync(exc: BaseException) -> bool:
     return likely_cause(exc) is _LIKELY_CAUSES[0][1]
 
 
+def capture_error(step_name: str, exc: BaseException) -> Exception:
+    """The `CaptureError` (or `HostSyncError`) for a capture that raised `exc`."""
+    from .errors import CaptureError, HostSyncError
+
+    kind = HostSyncError if is_host_sync(exc) else CaptureError
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return kind(
+        f"capturing {step_name} failed at {where(exc.__traceback__)}.\n"
+        f"Likely cause: {likely_cause(exc)}.\n"
+        f"Original error: {type(exc).__name__}: {first_line}\n"
+        "Nothing was lost: the model, optimizer and inputs are as they were before this call, and the "
+        "step can be called again."
+    )
+
+
 def host_sync_ops() -> set:
     """ATen operations whose result a CUDA stream cannot produce without the host waiting."""
     aten = torch.ops.aten

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import UnsupportedInputError
+from .errors import UnsupportedInputError, UnsupportedOutputError
 
 _TENSOR = "<tensor>"  # a spec's placeholder for a tensor leaf
 
@@ -158,3 +158,30 @@ def _unhashable_message(spec: Any) -> str:
                     "value, or close over the object instead of passing it."
                 )
     return "the arguments cannot be hashed into a graph key"
+
+
+def replayable_outputs(outputs: Any, step_name: str, *, device_only: bool) -> tuple[Any, list[torch.Tensor]]:
+    """Split a step's outputs into spec and (detached) tensors, refusing what a replay cannot redo.
+
+    A replay runs no Python, so a returned number or string would be frozen at its capture-time
+    value; with `device_only`, so would a CPU tensor.
+    """
+    tensors, spec = flatten(outputs)
+    metas = iter(tensors)
+    for path, leaf in paths(spec, "output"):
+        if is_tensor_leaf(leaf):
+            t = next(metas)
+            if device_only and t.device.type != "cuda":
+                raise UnsupportedOutputError(
+                    f"{step_name} returns a {t.device.type} tensor at {path}. A CUDA graph replays only "
+                    "device work, so this value would stay what it was at capture. Return it on the GPU."
+                )
+        elif value_of(leaf) is not None:
+            value = value_of(leaf)
+            raise UnsupportedOutputError(
+                f"{step_name} returns a {type(value).__name__} ({value!r}) at {path}. A replay runs no "
+                "Python, so it cannot compute this value again: every replay would return the value "
+                "from capture. Return a tensor instead (for example torch.as_tensor(x, device=...)), or "
+                "compute the value outside the step."
+            )
+    return spec, [t.detach() for t in tensors]
