@@ -59,7 +59,7 @@ def _install_registration_hooks() -> None:
     ):
         register = getattr(module, name, None)
         if register is not None:
-            register(lambda *args: (_bump_structure_epoch(), None)[1])
+            register(_bump_structure_epoch)  # returns None: the registration goes ahead unchanged
     _hooks_installed = True
 
 
