@@ -1,0 +1,88 @@
+"""Where graphstep's extra reserved memory goes on GPT-2 small (bench target: <= 1.05x eager's peak).
+
+Runs eager, then graphstep, on fresh models (same step as `graphstep bench`), and after each phase reads
+the allocator: reserved memory in the step's private pool and outside it, and peak reserved/allocated.
+Writes benchmarks/results/<gpu>_<date>_memory.json. Run on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+import graphstep
+from graphstep.demo.bench import gpu_slug
+from graphstep.demo.gpt import GPT, GPT2_SMALL, make_batches
+from graphstep.demo.train import make_optimizer, make_train_step
+
+GIB = 2**30
+
+
+def pool_split(pool) -> dict:
+    segments = torch.cuda.memory_snapshot()
+    inside = sum(
+        s["total_size"] for s in segments if pool is not None and tuple(s.get("segment_pool_id", ())) == pool
+    )
+    total = sum(s["total_size"] for s in segments)
+    return {"pool_gib": round(inside / GIB, 3), "outside_pool_gib": round((total - inside) / GIB, 3)}
+
+
+def fresh() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def run(method: str, data: list) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPT2_SMALL).cuda()
+    opt = make_optimizer(model, torch.device("cuda"))
+    fn = make_train_step(model, opt, amp=True)
+    step = graphstep.capture(fn, model=model, optimizer=opt) if method == "graphstep" else fn
+    phases = {}
+    for i, (x, y) in enumerate(data):
+        step(x, y)
+        torch.cuda.synchronize()
+        if i in (0, 2, 3, len(data) - 1):  # after 1st warm-up, last warm-up, capture, steady state
+            pool = step._backend.pool if method == "graphstep" else None
+            phases[f"after_call_{i + 1}"] = {
+                "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
+                "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+                "allocated_gib": round(torch.cuda.memory_allocated() / GIB, 3),
+                **pool_split(pool),
+            }
+    if method == "graphstep":
+        step.close()
+    del model, opt, fn, step
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    data = make_batches(GPT2_SMALL, batch_size=8, n_batches=8, seed=0, device="cuda")
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "config": "GPT-2 small, batch 8 x 1024, AdamW (graphstep settings), clip 1.0, bf16 autocast; 8 calls",
+    }
+    for method in ("eager", "graphstep"):
+        fresh()
+        result[method] = run(method, data)
+        print(method, json.dumps(result[method], indent=1))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{gpu_slug(result['gpu'])}_{result['date']}_memory.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
