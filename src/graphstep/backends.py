@@ -39,6 +39,8 @@ class Backend(Protocol):
     name: str
     graphs: int
     """Graphs alive in this backend's pool (CUDA; 0 elsewhere)."""
+    cuda_devices: tuple[int, ...]
+    """The CUDA device the step runs on, whose RNG a snapshot must save; empty elsewhere."""
     users: int
     """Captured steps using this backend."""
     static_buffers: bool
@@ -95,6 +97,7 @@ class EagerBackend:
     capture_executes = True
     graphs = 0  # no pool to share: these never change
     users = 0
+    cuda_devices = ()
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
@@ -159,6 +162,7 @@ class CudaGraphBackend:
     def __init__(self, device: torch.device):
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.cuda_devices = (self.index,)
         self.stream = torch.cuda.Stream(device=self.index)
         # One reference to the pool, held until close(), keeps it alive between warm-up and
         # capture: an `empty_cache` in between cannot hand warm-up's cached blocks back to

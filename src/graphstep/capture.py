@@ -81,6 +81,8 @@ class _Entry:
     signature: Signature
     warmups: int = 0
     buffers: list[torch.Tensor] | None = None
+    host_staged: bool = False
+    """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
     recording: Recording | None = None
     output_spec: Any = None
     output_tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -198,7 +200,8 @@ class CapturedStep:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<graphstep.CapturedStep {self._name} backend={self.backend_name} graphs={self.stats.graphs_alive}>"
+        graphs = sum(e.recording is not None for e in self._entries.values())
+        return f"<graphstep.CapturedStep {self._name} backend={self.backend_name} graphs={graphs}>"
 
     # -- the state machine --------------------------------------------------------------------
 
@@ -237,7 +240,7 @@ class CapturedStep:
         entry.warmups += 1
         self._stats.warmup_calls += 1
         self._stats.warmup_s += time.perf_counter() - start
-        return _detached(outputs)
+        return sig.detached(outputs)
 
     def _capture(self, entry: _Entry, backend: Backend, leaves: list, args: tuple, kwargs: dict) -> Any:
         if entry.sync_sites:
@@ -255,8 +258,7 @@ class CapturedStep:
         if backend.static_buffers:
             args, kwargs = sig.unflatten(entry.signature.spec, self._buffers(entry, leaves))
             self._load(entry, leaves)
-        cuda_devices = [backend.index] if isinstance(backend, CudaGraphBackend) else []
-        snapshot = Snapshot.take(self._state, cuda_devices)
+        snapshot = Snapshot.take(self._state, backend.cuda_devices)
 
         def checked_step(*a: Any, **k: Any) -> Any:
             # Inside the capture, so that a refused output also undoes what the step did.
@@ -311,8 +313,7 @@ class CapturedStep:
             for n, p in named
             if isinstance(p, torch.nn.Parameter) and p.grad is not None
         ]
-        cuda = [backend.index] if isinstance(backend, CudaGraphBackend) else []
-        refs = Snapshot.take(self._state, cuda)
+        refs = Snapshot.take(self._state, backend.cuda_devices)
         # The eager run reads the same static buffers the replay will.
         eager_args, eager_kwargs = (
             sig.unflatten(entry.signature.spec, entry.buffers) if entry.buffers else (args, kwargs)
@@ -371,7 +372,7 @@ class CapturedStep:
             warnings.warn(message, stacklevel=3)
             log.warning(message)
         self._stats.eager_calls += 1
-        return _detached(self._fn(*args, **kwargs))
+        return sig.detached(self._fn(*args, **kwargs))
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -438,31 +439,24 @@ class CapturedStep:
             entry.buffers = [self._backend.new_buffer(t) for t in leaves]
             for buffer, t in zip(entry.buffers, leaves):
                 buffer.requires_grad_(t.requires_grad and t.is_leaf)
+            entry.host_staged = any(b.is_pinned() for b in entry.buffers)
         return entry.buffers
 
     def _load(self, entry: _Entry, leaves: list[torch.Tensor]) -> None:
         """Copy the call's tensors into the graph's input buffers (none when they are the buffers)."""
+        if entry.host_staged:  # the previous replay may still be reading a host buffer
+            torch.cuda.current_stream(self._backend.index).synchronize()
         with torch.no_grad():
             for buffer, t in zip(entry.buffers, leaves):
                 if t is not buffer:
-                    if buffer.is_pinned():
-                        # The previous replay may still be reading this host buffer.
-                        torch.cuda.current_stream(self._backend.index).synchronize()
                     buffer.copy_(t)
 
     def _deliver(self, entry: _Entry, outputs: Any) -> Any:
         if not self._backend.static_buffers:
-            return _detached(outputs)
+            return sig.detached(outputs)
         if self.config.outputs == "graph":
             return outputs
         return sig.unflatten(entry.output_spec, [t.clone() for t in entry.output_tensors])
-
-
-def _detached(outputs: Any) -> Any:
-    tensors, spec = sig.flatten(outputs)
-    if not tensors:
-        return outputs
-    return sig.unflatten(spec, [t.detach() for t in tensors])
 
 
 def _choose_backend(config: Config, leaves: list[torch.Tensor], state: TrainingState, name: str) -> Backend:

@@ -57,7 +57,7 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
 
     copied, key_values = [], []
     metas = iter(signature.tensors)
-    for path, leaf in sig._argument_paths(signature.spec):
+    for path, leaf in sig.argument_paths(signature.spec):
         if sig.is_tensor_leaf(leaf):
             copied.append(f"{path} ({next(metas)})")
         else:
@@ -128,11 +128,10 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
 
 def _dry_run_syncs(step: CapturedStep, backend: Any, args: tuple, kwargs: dict) -> list[str]:
     """Run the step once eagerly, note its host syncs, and take everything it did back."""
-    cuda = backend.name == "cuda"
-    refs = Snapshot.take(step._state, [backend.index] if cuda else [])
+    refs = Snapshot.take(step._state, backend.cuda_devices)
     undo = UndoLog()
     try:
-        with HostSyncWatch(cuda=cuda) as watch, undo:
+        with HostSyncWatch(cuda=backend.name == "cuda") as watch, undo:
             step._fn(*args, **kwargs)
     finally:
         undo.roll_back()

@@ -171,10 +171,9 @@ class StateGuard:
         self.grad_params = [p for p, _ in reads]
         self.grads = [g for _, g in reads]
         self.fresh_grad_params = [p for p, g in grads_before if g is None and p.grad is not None]
-        self.modules = [m for _, root in state.named_modules_roots() for m in root.modules()]
-        self.module_names = [
-            n for prefix, root in state.named_modules_roots() for n, _ in _named(prefix, root)
-        ]
+        named_modules = [nm for prefix, root in state.named_modules_roots() for nm in _named(prefix, root)]
+        self.module_names = [n for n, _ in named_modules]
+        self.modules = [m for _, m in named_modules]
         self.training = list(map(_get_training, self.modules))
         self.optimizers = [
             (
@@ -193,7 +192,8 @@ class StateGuard:
     # -- the check on every replay ---------------------------------------------------------
 
     def holds(self) -> bool:
-        """True when a replay would do what eager would. Cheap; no messages."""
+        """True when a replay would do what eager would. Cheap; no messages. Grads the user set to
+        None between calls are re-attached (zeroed) here rather than reported."""
         if self.epoch != _structure_epoch:
             return False
         if self.tensors and not _same_data_ptrs(self.tensors, self.ptrs, self.indices):

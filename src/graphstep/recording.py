@@ -97,6 +97,7 @@ class RecordingBackend:
     capture_executes = True
     graphs = 0  # no pool to share: these never change
     users = 0
+    cuda_devices = ()
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)

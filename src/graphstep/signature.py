@@ -129,7 +129,7 @@ class Signature:
         """One line per leaf: `x: bfloat16[8, 64] on cuda:0`, `n: int 4`."""
         metas = iter(self.tensors)
         parts = []
-        for path, leaf in _argument_paths(self.spec):
+        for path, leaf in argument_paths(self.spec):
             if is_tensor_leaf(leaf):
                 parts.append(f"{path}: {next(metas)}")
             else:
@@ -137,7 +137,7 @@ class Signature:
         return ", ".join(parts) or "(no arguments)"
 
 
-def _argument_paths(spec: Any) -> Iterator[tuple[str, Any]]:
+def argument_paths(spec: Any) -> Iterator[tuple[str, Any]]:
     """Paths of a call's `(args, kwargs)` spec, named `args[0]...` and `kwargs['x']...`."""
     args_spec, kwargs_spec = spec[1]
     yield from paths(args_spec, "args")
@@ -145,7 +145,7 @@ def _argument_paths(spec: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _unhashable_message(spec: Any) -> str:
-    for path, leaf in _argument_paths(spec):
+    for path, leaf in argument_paths(spec):
         if not is_tensor_leaf(leaf):
             try:
                 hash(value_of(leaf))
@@ -185,3 +185,11 @@ def replayable_outputs(outputs: Any, step_name: str, *, device_only: bool) -> tu
                 "compute the value outside the step."
             )
     return spec, [t.detach() for t in tensors]
+
+
+def detached(tree: Any) -> Any:
+    """`tree` with every tensor detached: a step's results are handed out without autograd history."""
+    tensors, spec = flatten(tree)
+    if not tensors:
+        return tree
+    return unflatten(spec, [t.detach() for t in tensors])
