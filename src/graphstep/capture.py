@@ -20,20 +20,15 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from . import signature as sig
-from .backends import Backend, CudaGraphBackend, EagerBackend, Recording
+from .backends import Backend, CudaGraphBackend, Recording, choose_backend
 from .config import Config
-from .diagnostics import HostSyncWatch, StepStats, capture_error, log
-from .errors import (
-    ClosedError,
-    GraphStepError,
-    HostSyncError,
-    StaleGraphError,
-    TooManyGraphsError,
-)
+from .diagnostics import HostSyncWatch, StepStats, capture_error, host_sync_error, log
+from .distributed import Agreement, Phase, Ranks
+from .errors import ClosedError, GraphStepError, StaleGraphError, TooManyGraphsError
 from .guards import StateGuard, bindings, named_state_tensors
 from .optim import OptimizerAdapter
-from .recording import RecordingBackend
 from .signature import Signature
 from .state import Snapshot, TrainingState, as_list
 from .verify import verify
@@ -49,6 +44,7 @@ def capture(
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     generators: list[torch.Generator] | None = None,
     share_pool_with: CapturedStep | None = None,
+    process_group: Any = None,
     config: Config | None = None,
 ) -> Any:
     """Capture a whole training step into CUDA graphs.
@@ -59,14 +55,17 @@ def capture(
     `generators`: CUDA `torch.Generator`s the step draws from (those in its closure or globals
     are found); the graph advances them on every replay as eager would. `share_pool_with`:
     another captured step (an evaluation step beside the training step) whose memory pool and
-    capture stream this one uses; call that one first. Returns a `CapturedStep` that keeps
-    `fn`'s signature.
+    capture stream this one uses; call that one first. `process_group`: the ranks that call
+    this step together (default: every rank, once torch.distributed is initialised); they
+    warm up, capture and re-capture together. Returns a `CapturedStep` that keeps `fn`'s
+    signature.
     """
     options = {
         "model": model,
         "optimizer": optimizer,
         "generators": generators,
         "share_pool_with": share_pool_with,
+        "process_group": process_group,
         "config": config,
     }
     if fn is None:
@@ -107,6 +106,7 @@ class CapturedStep:
         optimizer: Any = None,
         generators: list[torch.Generator] | None = None,
         share_pool_with: CapturedStep | None = None,
+        process_group: Any = None,
         config: Config | None = None,
     ):
         if not callable(fn):
@@ -129,6 +129,9 @@ class CapturedStep:
                 f"share_pool_with takes a CapturedStep; got {type(share_pool_with).__qualname__}."
             )
         self._share = share_pool_with
+        self._process_group = process_group
+        self._ranks: Ranks | None = None  # set on the first call, with the backend
+        self._warmups_needed = self.config.warmup_steps  # more for DDP, decided on the first call
         self._optim = OptimizerAdapter([])  # replaced once the first call found the optimizers
         self._stats = StepStats()
         self._busy = False
@@ -214,22 +217,49 @@ class CapturedStep:
         backend = self._backend_for(leaves)
         self._optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
         entry = self._entry(signature, backend)
+        phase, changes = self._phase(entry)
+        refuse = phase is Phase.CAPTURE and entry.recording is None and bool(entry.sync_sites)
+        if self._ranks is not None:  # every rank acts on the least advanced rank's phase
+            agreed = self._ranks.agree(phase, refuse)
+        else:
+            agreed = Agreement(phase, None, 0 if refuse else None)
+        if agreed.refused_by is not None and agreed.phase is Phase.CAPTURE:
+            raise self._refuse_capture(entry, agreed.refused_by)
         if entry is None or entry.stale:
             return self._run_eager(signature, args, kwargs)
+        if agreed.phase is Phase.REPLAY:
+            return self._replay(entry, leaves, args, kwargs)
+        if agreed.phase is Phase.CAPTURE:
+            if entry.recording is None:
+                return self._capture(entry, backend, leaves, args, kwargs)
+            return self._recapture(entry, backend, changes, leaves, args, kwargs, agreed.held_back_by)
+        # Phase.EAGER: some rank (maybe this one) runs this call eagerly.
         if entry.recording is not None:
-            if entry.guard is None or entry.guard.holds():
-                return self._replay(entry, leaves, args, kwargs)
-            changes = entry.guard.changes()
-            if not changes:  # an unrelated module elsewhere in the process was re-registered
-                return self._replay(entry, leaves, args, kwargs)
-            return self._recapture(entry, backend, changes, leaves, args, kwargs)
-        if entry.warmups < self.config.warmup_steps:
-            return self._warm_up(entry, backend, args, kwargs)
-        return self._capture(entry, backend, leaves, args, kwargs)
+            if not changes:  # another rank warms up: keep this graph, step eagerly with it
+                return self._run_eager(signature, args, kwargs, quiet=True)
+            return self._rewarm(entry, backend, changes, args, kwargs)
+        return self._warm_up(entry, backend, args, kwargs)
+
+    def _phase(self, entry: _Entry | None) -> tuple[Phase, list[str]]:
+        """How far this rank is with `entry`, and what changed under its graph, if anything."""
+        if entry is None or entry.stale:
+            return Phase.EAGER, []
+        if entry.recording is None:
+            return (Phase.CAPTURE if entry.warmups >= self._warmups_needed else Phase.EAGER), []
+        if entry.guard is None or entry.guard.holds():
+            return Phase.REPLAY, []
+        changes = entry.guard.changes()
+        if not changes:  # an unrelated module elsewhere in the process was re-registered
+            return Phase.REPLAY, []
+        if self._optim.state_layout() != entry.optimizer_layout:
+            # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
+            # now would record the lazy first step forever. Warm up once more first.
+            return Phase.EAGER, changes
+        return Phase.CAPTURE, changes
 
     def _warm_up(self, entry: _Entry, backend: Backend, args: tuple, kwargs: dict) -> Any:
         start = time.perf_counter()
-        if entry.warmups == self.config.warmup_steps - 1 and backend.static_buffers:
+        if entry.warmups == self._warmups_needed - 1 and backend.static_buffers:
             # The last warm-up looks for host syncs (earlier ones may lazily create state with
             # syncs of their own). The step completes; the capture that follows is refused.
             with HostSyncWatch(cuda=isinstance(backend, CudaGraphBackend)) as watch:
@@ -243,17 +273,6 @@ class CapturedStep:
         return sig.detached(outputs)
 
     def _capture(self, entry: _Entry, backend: Backend, leaves: list, args: tuple, kwargs: dict) -> Any:
-        if entry.sync_sites:
-            entry.warmups -= 1  # the next call warms up (and looks) again
-            sites = "\n".join(f"  - {site}" for site in entry.sync_sites)
-            entry.sync_sites = []
-            raise HostSyncError(
-                f"{self._name} synchronises with the host, so it cannot be captured:\n{sites}\n"
-                "A CUDA graph replays device work only: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, "
-                "`if tensor:`, `nonzero` and boolean-mask indexing need the host to wait. Keep values on the "
-                "device (`torch.where` instead of branching; masks multiplied in instead of indexing), and "
-                "return tensors from the step to log them outside it. Nothing was run for this call."
-            )
         start = time.perf_counter()
         if backend.static_buffers:
             args, kwargs = sig.unflatten(entry.signature.spec, self._buffers(entry, leaves))
@@ -326,43 +345,82 @@ class CapturedStep:
             tolerance=self.config.verify_tolerance,
         )
 
+    def _refuse_capture(self, entry: _Entry | None, rank: int) -> GraphStepError:
+        """The last warm-up synchronised with the host (on this rank or on `rank`): no rank
+        captures, and each warms up (and looks) once more on its next call."""
+        sites = entry.sync_sites if entry is not None else []
+        if entry is not None and entry.recording is None and entry.warmups >= self._warmups_needed:
+            entry.warmups -= 1
+            entry.sync_sites = []
+        elsewhere = None if sites else rank
+        return host_sync_error(self._name, sites, elsewhere)
+
     def _recapture(
-        self, entry: _Entry, backend: Backend, changes: list[str], leaves: list, args: tuple, kwargs: dict
+        self,
+        entry: _Entry,
+        backend: Backend,
+        changes: list[str],
+        leaves: list,
+        args: tuple,
+        kwargs: dict,
+        capturing_rank: int | None = None,
     ) -> Any:
-        what = "\n".join(f"  - {c}" for c in changes)
-        old, entry.recording, entry.guard = entry.recording, None, None
-        entry.recaptures += 1
-        if entry.recaptures > self.config.max_recaptures:
-            message = (
-                f"{self._name}: state its graph depends on changed again, past "
-                f"Config.max_recaptures={self.config.max_recaptures}:\n{what}\n"
-                "Replaying would silently differ from eager. Keep parameters and optimizer state in place "
-                "(copy_ into them instead of replacing), keep hyperparameters as tensors (graphstep's optimizer "
-                "support turns lr into one), or raise max_recaptures."
-            )
-            old.release()
-            if self.config.on_recapture_limit == "raise":
-                raise StaleGraphError(message)
-            entry.stale = True
-            warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=4)
+        """Capture `entry` again because of `changes`; with none, because `capturing_rank` captures
+        (ranks capture together), which does not count towards `max_recaptures`."""
+        if not changes:
+            changes = [f"rank {capturing_rank} captures, and ranks capture together"]
+        old = self._retire(entry, changes, counted=capturing_rank is None)
+        if old is None:
             return self._run_eager(entry.signature, args, kwargs)
-        log.warning("graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what)
-        if self._optim.state_layout() != entry.optimizer_layout:
-            # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
-            # now would record the lazy first step forever. Warm up once more first.
-            old.release()
-            self._renew_pool_if_unused()
-            entry.warmups = self.config.warmup_steps - 1
-            return self._warm_up(entry, backend, args, kwargs)
         try:
             return self._capture(entry, backend, leaves, args, kwargs)
         finally:
             # Released only now: a pool whose last graph is gone cannot be captured into again.
             old.release()
 
-    def _run_eager(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
+    def _rewarm(self, entry: _Entry, backend: Backend, changes: list[str], args: tuple, kwargs: dict) -> Any:
+        """Drop a graph whose state changed and warm up once before capturing again."""
+        old = self._retire(entry, changes)
+        if old is None:
+            return self._run_eager(entry.signature, args, kwargs)
+        old.release()
+        self._renew_pool_if_unused()
+        entry.warmups = self._warmups_needed - 1
+        return self._warm_up(entry, backend, args, kwargs)
+
+    def _retire(self, entry: _Entry, changes: list[str], *, counted: bool = True) -> Recording | None:
+        """Take `entry`'s graph out of service because `changes` happened; returns it for the
+        caller to release. Past `max_recaptures`: raises, or marks the entry stale (None)."""
+        what = "\n".join(f"  - {c}" for c in changes)
+        old, entry.recording, entry.guard = entry.recording, None, None
+        entry.recaptures += counted
+        if entry.recaptures <= self.config.max_recaptures:
+            log.warning(
+                "graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what
+            )
+            return old
+        old.release()
+        message = (
+            f"{self._name}: state its graph depends on changed again, past "
+            f"Config.max_recaptures={self.config.max_recaptures}:\n{what}\n"
+            "Replaying would silently differ from eager. Keep parameters and optimizer state in place "
+            "(copy_ into them instead of replacing), keep hyperparameters as tensors (graphstep's optimizer "
+            "support turns lr into one), or raise max_recaptures."
+        )
+        if self.config.on_recapture_limit == "raise":
+            raise StaleGraphError(message)
+        entry.stale = True
+        warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=5)
+        return None
+
+    def _run_eager(self, signature: Signature, args: tuple, kwargs: dict, *, quiet: bool = False) -> Any:
         stale = signature in self._entries  # past max_recaptures: warned once already
-        if not stale and signature not in self._eager_keys and len(self._eager_keys) < _MAX_EAGER_KEYS:
+        if (
+            not quiet
+            and not stale
+            and signature not in self._eager_keys
+            and len(self._eager_keys) < _MAX_EAGER_KEYS
+        ):
             self._eager_keys.add(signature)
             message = (
                 f"graphstep: {self._name} already holds max_graphs={self.config.max_graphs} graphs; "
@@ -405,8 +463,13 @@ class CapturedStep:
                     )
                 self._backend = self._share._backend
             else:
-                self._backend = _choose_backend(self.config, leaves, self._state, self._name)
+                self._backend = choose_backend(self.config, leaves, self._state, self._name)
             self._backend.users += 1
+            self._ranks = distributed.ranks_for(self._process_group)
+            if self._ranks is not None and isinstance(self._backend, CudaGraphBackend):
+                distributed.check_nccl_graph_registration(self._ranks.group)
+            if distributed.prepare_ddp(self._state.modules):
+                self._warmups_needed = max(self._warmups_needed, distributed.DDP_WARMUP_STEPS)
             if self._backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
                 self._optim.prepare(getattr(self._backend, "device", "cpu"))
         return self._backend
@@ -459,30 +522,18 @@ class CapturedStep:
         return sig.unflatten(entry.output_spec, [t.clone() for t in entry.output_tensors])
 
 
-def _choose_backend(config: Config, leaves: list[torch.Tensor], state: TrainingState, name: str) -> Backend:
-    if config.backend == "eager":
-        return EagerBackend()
-    if config.backend == "recording":
-        return RecordingBackend()
-    devices = {t.device for t in leaves} | state.devices()
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-    if len({d.index for d in cuda}) > 1:
-        raise GraphStepError(
-            f"{name}'s tensors are on several CUDA devices ({', '.join(map(str, cuda))}); one captured step "
-            "runs on one device. Use one process per GPU (DDP, FSDP) instead."
-        )
-    if cuda and torch.cuda.is_available():
-        return CudaGraphBackend(cuda[0])
-    if config.backend == "cuda":
-        raise GraphStepError(
-            f'Config(backend="cuda") but {name} has no CUDA tensors (inputs, model= or optimizer=) '
-            f"or CUDA is not available (torch.cuda.is_available() = {torch.cuda.is_available()})."
-        )
-    reason = "CUDA is not available" if not torch.cuda.is_available() else "the step's tensors are on the CPU"
-    if not devices:
-        reason = "graphstep sees no tensors (pass model=, optimizer= or tensor arguments)"
-    log.info("graphstep: %s, so %s runs eagerly (same API and checks, no graphs).", reason, name)
-    return EagerBackend()
+def _close_steps_on(group: Any) -> None:
+    """Before `destroy_process_group(group)`: close the steps whose graphs may hold its collectives."""
+    import torch.distributed as dist
+
+    whole_world = group is None or group is dist.group.WORLD
+    for step in list(_live_steps):
+        if whole_world or (step._ranks is not None and step._ranks.group is group):
+            step.close()
+
+
+distributed.close_before_destroy(_close_steps_on)
+distributed.set_nccl_graph_registration()
 
 
 @atexit.register

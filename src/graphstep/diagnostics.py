@@ -74,12 +74,21 @@ def _describe(frame: traceback.FrameSummary) -> str:
 
 
 # Substrings of CUDA and PyTorch capture errors, and what they usually mean.
+_HOST_SYNC = (
+    "the step synchronises with the host: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, `if tensor:`, "
+    "`nonzero`, boolean-mask indexing or `torch.cuda.synchronize()`. Keep values on the device "
+    "(`torch.where` instead of branching on a tensor), and return tensors from the step to log them outside"
+)
 _LIKELY_CAUSES = (
     (
+        ("legacy stream depend on a capturing",),
+        "autograd runs part of the backward on the default CUDA stream, which no graph can capture: "
+        "a module kept state made on it. DistributedDataParallel keeps its gradient accumulators on the "
+        "stream it was constructed on: construct it inside `with torch.cuda.stream(torch.cuda.Stream()):`",
+    ),
+    (
         ("not permitted when stream is capturing", "StreamCaptureUnsupported", "StreamCaptureImplicit"),
-        "the step synchronises with the host: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, `if tensor:`, "
-        "`nonzero`, boolean-mask indexing or `torch.cuda.synchronize()`. Keep values on the device "
-        "(`torch.where` instead of branching on a tensor), and return tensors from the step to log them outside",
+        _HOST_SYNC,
     ),
     (
         ("capturable",),
@@ -107,7 +116,7 @@ def likely_cause(exc: BaseException) -> str:
 
 
 def is_host_sync(exc: BaseException) -> bool:
-    return likely_cause(exc) is _LIKELY_CAUSES[0][1]
+    return likely_cause(exc) is _HOST_SYNC
 
 
 def capture_error(step_name: str, exc: BaseException) -> Exception:
@@ -122,6 +131,24 @@ def capture_error(step_name: str, exc: BaseException) -> Exception:
         f"Original error: {type(exc).__name__}: {first_line}\n"
         "Nothing was lost: the model, optimizer and inputs are as they were before this call, and the "
         "step can be called again."
+    )
+
+
+def host_sync_error(step_name: str, sites: list[str], rank: int | None = None) -> Exception:
+    """The `HostSyncError` refusing a capture: the last warm-up synchronised at `sites`, or,
+    in a distributed step, on another `rank` (whose own error lists where)."""
+    from .errors import HostSyncError
+
+    if rank is not None:
+        found = f" on rank {rank} (its error says where), and ranks capture together, so no rank captures.\n"
+    else:
+        found = ", so it cannot be captured:\n" + "".join(f"  - {site}\n" for site in sites)
+    return HostSyncError(
+        f"{step_name} synchronises with the host{found}"
+        + "A CUDA graph replays device work only: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, "
+        "`if tensor:`, `nonzero` and boolean-mask indexing need the host to wait. Keep values on the "
+        "device (`torch.where` instead of branching; masks multiplied in instead of indexing), and "
+        "return tensors from the step to log them outside it. Nothing was run for this call."
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .state import TrainingState
+from .state import TrainingState, follow, storage_paths
 
 _epoch = itertools.count()
 _structure_epoch = 0
@@ -79,7 +79,13 @@ def _same_data_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[
 class _Tracked:
     name: str
     tensor: torch.Tensor
-    meta: tuple  # (data_ptr, shape, stride, dtype)
+    """As the step sees it: a plain tensor, or a DTensor."""
+    path: tuple[str, ...]
+    """From `tensor` to the plain tensor holding the memory (see `storage_paths`)."""
+    meta: tuple  # (data_ptr, shape, stride, dtype) of that plain tensor
+
+    def storage(self) -> torch.Tensor:
+        return follow(self.tensor, self.path)
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -155,14 +161,21 @@ class StateGuard:
         _install_registration_hooks()
         self.epoch = _structure_epoch
         self.strict = strict
-        self.tracked = [_Tracked(n, t, _meta(t)) for n, t in named_state_tensors(state, fn)]
+        self.tracked = [
+            _Tracked(n, t, path, _meta(follow(t, path)))
+            for n, t in named_state_tensors(state, fn)
+            for path in storage_paths(t)
+        ]
         # Optimizer state is replaced wholesale (load_state_dict swaps `optimizer.state`, an O(1)
         # check); its thousands of tensors get a pointer check of their own only when strict.
         checked = [t for t in self.tracked if strict or ".state[" not in t.name]
-        self.tensors = [t.tensor for t in checked]
+        checked.sort(key=lambda t: bool(t.path))  # plain tensors first, then DTensors' shards
+        self.tensors = [t.tensor for t in checked if not t.path]
+        self.wrapped = [(t.tensor, t.path) for t in checked if t.path]
+        """Read again on every check: a DTensor's local shard can be swapped under it."""
         self.ptrs = [t.meta[0] for t in checked]
         self.metas = [t.meta for t in checked]
-        self.indices = list(range(len(self.tensors)))
+        self.indices = list(range(len(checked)))
         self.param_names = {id(t.tensor): t.name for t in self.tracked}
         # A graph reads a parameter's grad only if the grad existed before the step and the step
         # accumulated into it (still the same tensor after). If the grad did not exist, the graph
@@ -196,9 +209,12 @@ class StateGuard:
         None between calls are re-attached (zeroed) here rather than reported."""
         if self.epoch != _structure_epoch:
             return False
-        if self.tensors and not _same_data_ptrs(self.tensors, self.ptrs, self.indices):
+        tensors = (
+            self.tensors + [follow(t, path) for t, path in self.wrapped] if self.wrapped else self.tensors
+        )
+        if tensors and not _same_data_ptrs(tensors, self.ptrs, self.indices):
             return False
-        if self.strict and [_meta(t) for t in self.tensors] != self.metas:
+        if self.strict and [_meta(t) for t in tensors] != self.metas:
             return False
         grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
         if not grads_kept and not self._restore_cleared_grads():
@@ -241,7 +257,7 @@ class StateGuard:
         """Human-readable reasons the guard fails, by qualified name."""
         found: list[str] = []
         for item in self.tracked:
-            t = item.tensor
+            t = item.storage()
             ptr, shape, stride, dtype = item.meta
             if t.data_ptr() != ptr:
                 found.append(

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import UnsupportedInputError
 
@@ -30,6 +31,25 @@ def as_list(value: object, kind: type, what: str) -> list:
                 f"got {type(item).__qualname__}."
             )
     return items
+
+
+def storage_paths(t: torch.Tensor) -> list[tuple[str, ...]]:
+    """Attribute paths from a tensor to the plain tensors that hold its memory.
+
+    `()` for a plain tensor; `("_local_tensor",)` for a DTensor (FSDP2, tensor parallel): a
+    wrapper subclass has no data pointer of its own.
+    """
+    if not is_traceable_wrapper_subclass(t):
+        return [()]
+    attrs, _ = t.__tensor_flatten__()
+    inner = [(a, getattr(t, a)) for a in attrs]
+    return [(a, *rest) for a, v in inner if isinstance(v, torch.Tensor) for rest in storage_paths(v)]
+
+
+def follow(t: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
+    for attr in path:
+        t = getattr(t, attr)
+    return t
 
 
 @dataclasses.dataclass

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .state import follow, storage_paths
+
 
 def written_arguments(func: torch._ops.OpOverload) -> list[int]:
     """Positions of the arguments an operation writes to (in-place and out= arguments)."""
@@ -33,8 +35,10 @@ class UndoLog(TorchDispatchMode):
         names = [a.name for a in func._schema.arguments]
         for i in written_arguments(func):
             value = args[i] if i < len(args) else kwargs.get(names[i])
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            for written in value if isinstance(value, (list, tuple)) else [value]:
+                if not isinstance(written, torch.Tensor) or written.device.type == "meta":
+                    continue
+                for t in (follow(written, path) for path in storage_paths(written)):
                     key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
                     if key not in self._seen:
                         self._seen.add(key)
@@ -44,4 +48,14 @@ class UndoLog(TorchDispatchMode):
         """Put back every tensor written since this log was entered, newest write first."""
         with torch.no_grad():
             for target, saved in reversed(self._saved):
-                target.copy_(saved)
+                if _holds_storage(target):
+                    target.copy_(saved)
+
+
+def _holds_storage(t: torch.Tensor) -> bool:
+    """False for a tensor whose storage was freed since (FSDP2 frees gathered parameters by
+    resizing their storage to 0): nothing of it outlives the step, so nothing to put back."""
+    if t.numel() == 0:
+        return True
+    end = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() >= end * t.element_size()

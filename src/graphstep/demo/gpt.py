@@ -52,11 +52,13 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, C)
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # qkv's output is laid out head by head, (head, q|k|v, head_dim), so a column-wise
+        # tensor-parallel shard of it holds whole heads: the head count is read off the shard.
+        qkv = self.qkv(self.ln1(x)).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, heads, T, head_dim)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
 
 

@@ -1,0 +1,194 @@
+"""Per-rank bodies of the distributed tests (CPU over gloo, GPU over NCCL), run by `ranks.run_ranks`.
+
+Each trains the demo GPT twice in the same process, from the same initial weights and data:
+once eagerly, once through graphstep, and reports whether losses and parameters are bitwise
+equal plus graphstep's counters, so the test process can compare ranks with each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import graphstep
+from graphstep.demo.gpt import GPT, GPTConfig, make_batches
+from graphstep.demo.parallel import parallelize, parallelize_2d
+from graphstep.errors import ClosedError, HostSyncError
+
+CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _build(
+    kind: str | None, device: torch.device, mesh: Any = None, *, sgd: bool = False
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT under `kind` with AdamW (SGD: no host syncs on CPU, for the recording backend)."""
+    torch.manual_seed(0)
+    model = GPT(CFG).to(device)
+    if kind == "fsdp_tp":
+        model = parallelize_2d(model, mesh)
+    elif kind is not None:
+        model = parallelize(model, kind, mesh)
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    graphstep.optim.make_capturable(opt, device.type)  # what graphstep does to its own
+    return model, opt
+
+
+def _step_fn(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device, *, sync_on: int | None = None
+):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if sync_on == dist.get_rank():
+            float(loss)  # a host sync on one rank only
+        return loss.detach()
+
+    return step
+
+
+def _data(
+    kind: str | None, rank: int, n: int, device: torch.device, batch: int = 4, data_rank: int | None = None
+) -> list:
+    # Data-parallel ranks see different batches; tensor-parallel ranks the same ones.
+    seed = 0 if kind == "tp" else (rank if data_rank is None else data_rank)
+    return make_batches(CFG, batch_size=batch, n_batches=n, seed=seed, device=device.type)
+
+
+def _report(eager_model, model, eager_losses, losses, step) -> dict:
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True)),
+        "params_equal": all(
+            torch.equal(_local(a), _local(b))
+            for a, b in zip(eager_model.parameters(), model.parameters(), strict=True)
+        ),
+        "stats": dataclasses.asdict(step.stats),
+        "backend": step.backend_name,
+    }
+
+
+def train_pair(
+    rank: int,
+    size: int,
+    *,
+    kind: str,
+    steps: int = 30,
+    backend: str = "auto",
+    mesh_shape: tuple | None = None,
+) -> dict:
+    """`steps` steps of the GPT under `kind`, eager and through graphstep, compared bitwise."""
+    device = _device(rank)
+    torch.use_deterministic_algorithms(True)
+    mesh = data_rank = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp", "tp"))
+        data_rank = mesh["dp"].get_local_rank()
+    data = _data(kind, rank, steps, device, data_rank=data_rank)
+    eager_model, eager_opt = _build(kind, device, mesh)
+    eager_step = _step_fn(eager_model, eager_opt, device)
+    eager_losses = [eager_step(x, y) for x, y in data]
+    model, opt = _build(kind, device, mesh)
+    step = graphstep.capture(
+        _step_fn(model, opt, device), model=model, optimizer=opt, config=graphstep.Config(backend=backend)
+    )
+    losses = [step(x, y) for x, y in data]
+    report = _report(eager_model, model, eager_losses, losses, step)
+    step.close()
+    return report
+
+
+def one_rank_changes(rank: int, size: int, *, change: str, steps: int = 12) -> dict:
+    """After 6 steps, only rank 1 changes something: moves a parameter ("move"), or calls with
+    a new batch shape that must warm up first ("shape"). Plain per-rank models, no collectives
+    in the step, so the recording backend can stand in for graphs on CPU."""
+    device = _device(rank)
+    config = graphstep.Config(backend="recording" if device.type == "cpu" else "cuda")
+    results = []
+    for graphed in (False, True):
+        model, opt = _build(None, device, sgd=device.type == "cpu")
+        step = _step_fn(model, opt, device)
+        if graphed:
+            step = graphstep.capture(step, model=model, optimizer=opt, config=config)
+        data = _data(None, rank, steps, device)
+        small = _data(None, rank, steps, device, batch=2)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            if rank == 1 and i == 6 and change == "move":
+                model.head.weight.data = model.head.weight.data.clone()
+            if rank == 1 and i >= 6 and change == "shape":
+                x, y = small[i]
+            losses.append(step(x, y))
+        results.append((model, losses, step))
+    (eager_model, eager_losses, _), (model, losses, step) = results
+    report = _report(eager_model, model, eager_losses, losses, step)
+    step.close()
+    return report
+
+
+def one_rank_syncs(rank: int, size: int) -> dict:
+    """Only rank 1's step reads a value on the host: neither rank may capture."""
+    device = _device(rank)
+    config = graphstep.Config(backend="recording" if device.type == "cpu" else "cuda")
+    model, opt = _build(None, device, sgd=device.type == "cpu")
+    step = graphstep.capture(
+        _step_fn(model, opt, device, sync_on=1), model=model, optimizer=opt, config=config
+    )
+    data = _data(None, rank, 6, device)
+    errors = []
+    for x, y in data:
+        try:
+            step(x, y)
+        except HostSyncError as exc:
+            errors.append(str(exc))
+    report = {"errors": errors, "stats": dataclasses.asdict(step.stats)}
+    step.close()
+    return report
+
+
+def destroy_with_open_step(rank: int, size: int, *, kind: str = "ddp") -> dict:
+    """`destroy_process_group` while a captured step is alive: graphstep closes it first."""
+    device = _device(rank)
+    logging.getLogger("graphstep").setLevel(logging.ERROR)
+    model, opt = _build(kind, device)
+    step = graphstep.capture(_step_fn(model, opt, device), model=model, optimizer=opt)
+    for x, y in _data(kind, rank, 14, device):
+        step(x, y)
+    graphs = step.stats.graphs_alive
+    dist.destroy_process_group()
+    try:
+        step(x, y)
+        closed = False
+    except ClosedError:
+        closed = True
+    return {"graphs_before": graphs, "closed_after": closed}
+
+
+def leave_step_open(rank: int, size: int, *, kind: str = "ddp") -> dict:
+    """Return with a live captured step and the process group still up: exit must not hang."""
+    device = _device(rank)
+    model, opt = _build(kind, device)
+    step = graphstep.capture(_step_fn(model, opt, device), model=model, optimizer=opt)
+    for x, y in _data(kind, rank, 14, device):
+        step(x, y)
+    leave_step_open.kept = step  # alive until the interpreter exits
+    return {"graphs": step.stats.graphs_alive}

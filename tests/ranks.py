@@ -1,0 +1,104 @@
+"""Run a test function on several processes joined by torch.distributed, with a time limit.
+
+`run_ranks(worker, n)` starts `n` fresh processes (spawn), each with a process group of
+`n` ranks (gloo on CPU, NCCL on GPUs), calls `worker(rank, n, **kwargs)` in each, destroys
+the group (unless `destroy=False`) and returns what each returned, by rank. A rank that raises fails the test with its traceback; ranks that
+have not finished within `timeout` seconds are killed and the test fails as hung, so no test
+can hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(
+    worker: Callable,
+    rank: int,
+    size: int,
+    port: int,
+    backend: str,
+    destroy: bool,
+    env: dict,
+    kwargs: dict,
+    out: Any,
+) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        result = worker(rank, size, **kwargs)
+        if destroy and dist.is_initialized():
+            dist.destroy_process_group()
+        out.put((rank, "ok", result))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    worker: Callable,
+    size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    destroy: bool = True,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_main, args=(worker, r, size, port, backend, destroy, env, kwargs, out), daemon=True
+        )
+        for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(size):
+            rank, status, value = out.get(timeout=timeout)
+            (results if status == "ok" else errors)[rank] = value
+            if errors:
+                break  # the other ranks are likely stuck in a collective with the failed one
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank, trace = sorted(errors.items())[0]
+        raise AssertionError(f"rank {rank} of {size} failed:\n{trace}")
+    if len(results) < size:
+        missing = sorted(set(range(size)) - set(results))
+        raise AssertionError(
+            f"ranks {missing} of {size} did not finish within {timeout:.0f} s (hung) and were killed"
+        )
+    hung_at_exit = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r in results]
+    if hung_at_exit:
+        raise AssertionError(f"ranks {hung_at_exit} finished but did not exit cleanly (killed after 10 s)")
+    return [results[r] for r in range(size)]

@@ -1,0 +1,157 @@
+"""Distributed coordination on CPU: 2 and 4 processes over gloo.
+
+Collectives run eagerly here (the eager backend, or the recording backend for steps without
+collectives); what is tested is that ranks warm up, capture, re-capture and refuse together,
+that every step is still exactly the eager one, and that nothing hangs. The same workers run
+on two GPUs with NCCL and real graphs in tests/gpu/test_distributed_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphstep
+from dist_workers import (
+    destroy_with_open_step,
+    leave_step_open,
+    one_rank_changes,
+    one_rank_syncs,
+    train_pair,
+)
+from graphstep import distributed
+from graphstep.errors import GraphStepError
+from ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_keep", "tp"])
+def test_parallel_training_matches_eager_on_every_rank(kind):
+    reports = run_ranks(train_pair, 2, kind=kind, steps=14)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["backend"] == "eager"
+    stats = [r["stats"] for r in reports]
+    warmups = distributed.DDP_WARMUP_STEPS if kind == "ddp" else graphstep.Config().warmup_steps
+    assert stats[0]["warmup_calls"] == stats[1]["warmup_calls"] == warmups
+    assert stats[0]["captures"] == stats[1]["captures"] == 1
+
+
+def test_2d_mesh_fsdp_times_tensor_parallel_on_four_ranks():
+    reports = run_ranks(train_pair, 4, kind="fsdp_tp", steps=8, mesh_shape=(2, 2), timeout=180)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+    assert {r["stats"]["captures"] for r in reports} == {1}
+
+
+def test_a_change_on_one_rank_recaptures_on_every_rank():
+    reports = run_ranks(one_rank_changes, 2, change="move")
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 2, f"rank {rank} did not re-capture with the other: {report}"
+
+
+def test_a_new_shape_on_one_rank_holds_the_others_back_until_it_can_capture():
+    reports = run_ranks(one_rank_changes, 2, change="shape")
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+    rank0, rank1 = (r["stats"] for r in reports)
+    warmups = graphstep.Config().warmup_steps
+    # Rank 1 warms its new shape up; rank 0 meanwhile steps eagerly with the graph it has, then
+    # captures again when rank 1 captures. 12 calls each, one step per call (the recording
+    # backend's captures execute the step; a CUDA capture is followed by a replay instead).
+    assert rank1["warmup_calls"] == 2 * warmups and rank1["captures"] == 2
+    assert rank0["warmup_calls"] == warmups and rank0["eager_calls"] == warmups and rank0["captures"] == 2
+    for s in (rank0, rank1):
+        assert s["warmup_calls"] + s["eager_calls"] + s["captures"] + s["replays"] == 12
+
+
+def test_a_host_sync_on_one_rank_stops_every_rank_from_capturing():
+    reports = run_ranks(one_rank_syncs, 2)
+    rank0, rank1 = reports
+    assert rank0["stats"]["captures"] == rank1["stats"]["captures"] == 0
+    assert len(rank0["errors"]) == len(rank1["errors"]) >= 1
+    assert "on rank 1" in rank0["errors"][0]
+    assert "dist_workers.py" in rank1["errors"][0] and "float(loss)" in rank1["errors"][0]
+
+
+def test_destroy_process_group_closes_live_steps_first():
+    for report in run_ranks(destroy_with_open_step, 2, kind="ddp"):
+        assert report == {"graphs_before": 1, "closed_after": True}
+
+
+def test_a_step_left_open_does_not_hang_exit():
+    reports = run_ranks(leave_step_open, 2, kind="ddp", destroy=False)
+    assert [r["graphs"] for r in reports] == [1, 1]
+
+
+# -- NCCL graph registration with expandable segments -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        ("expandable_segments:True", True),
+        ("max_split_size_mb:128,expandable_segments:True", True),
+        ("expandable_segments:False", False),
+        ("", False),
+    ],
+)
+def test_expandable_segments_is_read_from_the_allocator_config(monkeypatch, conf, expected):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert distributed.expandable_segments() is expected
+
+
+def test_nccl_graph_registration_is_turned_off_with_expandable_segments(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "unset after the test")
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER")
+    distributed.set_nccl_graph_registration()
+    assert os.environ["NCCL_GRAPH_REGISTER"] == "0"
+
+
+def test_nccl_graph_registration_left_on_by_the_user_is_refused(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    distributed.set_nccl_graph_registration()  # the user's explicit choice is not overridden...
+    assert os.environ["NCCL_GRAPH_REGISTER"] == "1"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(GraphStepError, match="NCCL_GRAPH_REGISTER=0") as info:  # ...but refused
+        distributed.check_nccl_graph_registration(None)
+    assert "158029" in str(info.value)
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    distributed.check_nccl_graph_registration(None)
+
+
+def test_process_group_without_torch_distributed_is_a_clear_error():
+    assert not dist.is_initialized()
+    step = graphstep.capture(lambda x: x * 2, process_group=object())
+    with pytest.raises(GraphStepError, match="init_process_group"):
+        step(torch.ones(2))
+
+
+def test_a_single_process_needs_no_vote():
+    assert distributed.ranks_for(None) is None
+
+
+def test_ddp_needs_eleven_warmups_and_stops_sampling_timings():
+    model = torch.nn.Linear(2, 2)
+    assert not distributed.prepare_ddp([model])
+
+    class FakeDDP(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module):
+            torch.nn.Module.__init__(self)
+            self.module = module
+            self.rate = None
+
+        def _set_ddp_runtime_logging_sample_rate(self, rate):
+            self.rate = rate
+
+    wrapped = FakeDDP(model)
+    assert distributed.prepare_ddp([wrapped])
+    assert wrapped.rate == 2**31 - 1
