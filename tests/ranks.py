@@ -32,11 +32,9 @@ def _main(
     port: int,
     backend: str,
     destroy: bool,
-    env: dict,
     kwargs: dict,
     out: Any,
 ) -> None:
-    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -67,13 +65,17 @@ def run_ranks(
     port = _free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
-        ctx.Process(
-            target=_main, args=(worker, r, size, port, backend, destroy, env, kwargs, out), daemon=True
-        )
+        ctx.Process(target=_main, args=(worker, r, size, port, backend, destroy, kwargs, out), daemon=True)
         for r in range(size)
     ]
-    for p in procs:
-        p.start()
+    saved = dict(os.environ)
+    os.environ.update(env)  # inherited at start: set before the child imports torch or NCCL reads it
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:

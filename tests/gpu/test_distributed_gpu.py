@@ -1,0 +1,78 @@
+"""Distributed steps on two GPUs with NCCL and real CUDA graphs (run on nvidia-h200-x2).
+
+Each test starts its own two processes (tests/ranks.py) with a time limit, so a hang fails
+the test instead of the suite. Bitwise tests run in deterministic mode; CUBLAS_WORKSPACE_CONFIG
+is set by tests/gpu/conftest.py before the processes start, so they inherit it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_workers import (
+    destroy_with_open_step,
+    leave_step_open,
+    one_rank_changes,
+    one_rank_syncs,
+    train_pair,
+)
+from graphstep import distributed
+from ranks import run_ranks
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.multigpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+TIMEOUT = 240
+
+
+def nccl(worker, **kwargs):
+    return run_ranks(worker, 2, backend="nccl", timeout=TIMEOUT, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_keep", "tp"])
+def test_30_steps_bitwise_equal_to_eager(kind):
+    reports = nccl(train_pair, kind=kind, steps=30)
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "cuda"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert (
+            report["stats"]["captures"] == 1
+            and report["stats"]["replays"] >= 30 - distributed.DDP_WARMUP_STEPS
+        )
+
+
+def test_ddp_with_expandable_segments():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    reports = nccl(train_pair, kind="ddp", steps=20, env=env)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1
+
+
+@pytest.mark.parametrize("change", ["move", "shape"])
+def test_a_change_on_one_rank_is_agreed_by_both(change):
+    reports = nccl(one_rank_changes, change=change)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 2, f"rank {rank}: {report}"
+
+
+def test_a_host_sync_on_one_rank_stops_both():
+    rank0, rank1 = nccl(one_rank_syncs)
+    assert rank0["stats"]["captures"] == rank1["stats"]["captures"] == 0
+    assert len(rank0["errors"]) == len(rank1["errors"]) >= 1
+    assert "on rank 1" in rank0["errors"][0] and "float(loss)" in rank1["errors"][0]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_destroy_process_group_with_a_live_graph_returns(kind):
+    for report in nccl(destroy_with_open_step, kind=kind):
+        assert report == {"graphs_before": 1, "closed_after": True}
+
+
+def test_a_step_left_open_at_exit_does_not_hang():
+    reports = nccl(leave_step_open, kind="ddp", destroy=False)
+    assert [r["graphs"] for r in reports] == [1, 1]
