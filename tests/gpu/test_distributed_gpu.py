@@ -76,3 +76,12 @@ def test_destroy_process_group_with_a_live_graph_returns(kind):
 def test_a_step_left_open_at_exit_does_not_hang():
     reports = nccl(leave_step_open, kind="ddp", destroy=False)
     assert [r["graphs"] for r in reports] == [1, 1]
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 1)], ids=["dp1xtp2", "dp2xtp1"])
+def test_2d_mesh_fsdp_times_tensor_parallel_on_two_gpus(mesh_shape):
+    """The 2-D code path on the GPUs there are; 2x2 needs four (issue 7)."""
+    reports = nccl(train_pair, kind="fsdp_tp", steps=30, mesh_shape=mesh_shape)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1
