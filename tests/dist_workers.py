@@ -7,6 +7,7 @@ equal plus graphstep's counters, so the test process can compare ranks with each
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -49,18 +50,31 @@ def _build(
 
 
 def _step_fn(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device, *, sync_on: int | None = None
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    micro_batches: int = 1,
+    sync_on: int | None = None,
 ):
+    """One optimizer step over `micro_batches` slices of the batch; under DDP, gradients are
+    all-reduced only in the last one's backward (`no_sync` for the others)."""
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(x, y)
-        loss.backward()
+        total = torch.zeros((), device=device)
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            last = i == micro_batches - 1
+            with model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = model(xs, ys) / micro_batches
+                loss.backward()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         if sync_on == dist.get_rank():
-            float(loss)  # a host sync on one rank only
-        return loss.detach()
+            float(total)  # a host sync on one rank only
+        return total
 
     return step
 
@@ -93,6 +107,7 @@ def train_pair(
     steps: int = 30,
     backend: str = "auto",
     mesh_shape: tuple | None = None,
+    micro_batches: int = 1,
 ) -> dict:
     """`steps` steps of the GPT under `kind`, eager and through graphstep, compared bitwise."""
     device = _device(rank)
@@ -105,11 +120,14 @@ def train_pair(
         data_rank = mesh["dp"].get_local_rank()
     data = _data(kind, rank, steps, device, data_rank=data_rank)
     eager_model, eager_opt = _build(kind, device, mesh)
-    eager_step = _step_fn(eager_model, eager_opt, device)
+    eager_step = _step_fn(eager_model, eager_opt, device, micro_batches=micro_batches)
     eager_losses = [eager_step(x, y) for x, y in data]
     model, opt = _build(kind, device, mesh)
     step = graphstep.capture(
-        _step_fn(model, opt, device), model=model, optimizer=opt, config=graphstep.Config(backend=backend)
+        _step_fn(model, opt, device, micro_batches=micro_batches),
+        model=model,
+        optimizer=opt,
+        config=graphstep.Config(backend=backend),
     )
     losses = [step(x, y) for x, y in data]
     report = _report(eager_model, model, eager_losses, losses, step)

@@ -1,6 +1,7 @@
 """graphstep: capture a whole PyTorch training step into CUDA graphs, bitwise equal to eager."""
 
 from . import errors
+from .backends import capture_stream
 from .capture import CapturedStep, capture
 from .config import Config
 from .diagnostics import StepStats
@@ -11,6 +12,8 @@ __all__ = [
     # the verb and its configuration
     "capture",
     "Config",
+    # the stream it captures on (construct DDP under it)
+    "capture_stream",
     # what it returns
     "CapturedStep",
     "StepStats",

@@ -138,6 +138,23 @@ def _allocator_calls() -> tuple[Callable, Callable, Callable]:
     return C._cuda_beginAllocateToPool, end, C._cuda_releasePool
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """The side stream graphstep warms up and captures on, one per CUDA device for the process.
+
+    Construct DistributedDataParallel under it (`with torch.cuda.stream(graphstep.capture_stream()):`):
+    DDP keeps each parameter's gradient accumulator for good, and autograd runs it on the stream
+    it was made on. Made there, backward needs no cross-stream hop; made on the default stream,
+    no graph can capture it.
+    """
+    index = torch.cuda._utils._get_device_index(device, optional=True)
+    if index not in _capture_streams:
+        _capture_streams[index] = torch.cuda.Stream(device=index)
+    return _capture_streams[index]
+
+
 class _CudaRecording:
     def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, backend: CudaGraphBackend):
         self.graph = graph
@@ -167,7 +184,7 @@ class CudaGraphBackend:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.cuda_devices = (self.index,)
-        self.stream = torch.cuda.Stream(device=self.index)
+        self.stream = capture_stream(self.index)
         # One reference to the pool, held until close(), keeps it alive between warm-up and
         # capture: an `empty_cache` in between cannot hand warm-up's cached blocks back to
         # the driver, so capture re-uses them and peak memory stays near eager's.

@@ -84,7 +84,7 @@ _LIKELY_CAUSES = (
         ("legacy stream depend on a capturing",),
         "autograd runs part of the backward on the default CUDA stream, which no graph can capture: "
         "a module kept state made on it. DistributedDataParallel keeps its gradient accumulators on the "
-        "stream it was constructed on: construct it inside `with torch.cuda.stream(torch.cuda.Stream()):`",
+        "stream it was constructed on: construct it inside `with torch.cuda.stream(graphstep.capture_stream()):`",
     ),
     (
         ("not permitted when stream is capturing", "StreamCaptureUnsupported", "StreamCaptureImplicit"),

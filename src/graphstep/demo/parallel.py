@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends import capture_stream
 from .gpt import GPT
 
 KINDS = ("ddp", "fsdp", "fsdp_keep", "tp")
@@ -27,17 +28,17 @@ def parallelize(model: GPT, kind: str, mesh: object | None = None) -> nn.Module:
 
 
 def data_parallel(model: GPT) -> nn.Module:
-    """DDP, constructed on a side stream: DDP keeps each parameter's gradient accumulator for
-    good, and autograd runs it on the stream it was made on; a graph cannot capture work on
-    the default stream (PyTorch's CUDA graph notes ask for exactly this)."""
+    """DDP, constructed on graphstep's capture stream: DDP keeps each parameter's gradient
+    accumulator for good, and autograd runs it on the stream it was made on; a graph cannot
+    capture work on the default stream."""
     if not model.head.weight.is_cuda:
         return nn.parallel.DistributedDataParallel(model)
     device = model.head.weight.device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
-    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.current_stream(device).wait_stream(stream)
     return ddp
 
 
