@@ -135,12 +135,17 @@ def train_pair(
     return report
 
 
-def one_rank_changes(rank: int, size: int, *, change: str, steps: int = 12) -> dict:
+def one_rank_changes(rank: int, size: int, *, change: str, steps: int = 12, max_recaptures: int = 4) -> dict:
     """After 6 steps, only rank 1 changes something: moves a parameter ("move"), or calls with
-    a new batch shape that must warm up first ("shape"). Plain per-rank models, no collectives
+    a new batch shape that must warm up first ("shape"). With `max_recaptures=0` a move puts
+    both ranks past the limit: both run eagerly from then on. Plain per-rank models, no collectives
     in the step, so the recording backend can stand in for graphs on CPU."""
     device = _device(rank)
-    config = graphstep.Config(backend="recording" if device.type == "cpu" else "cuda")
+    config = graphstep.Config(
+        backend="recording" if device.type == "cpu" else "cuda",
+        max_recaptures=max_recaptures,
+        on_recapture_limit="eager",
+    )
     results = []
     for graphed in (False, True):
         model, opt = _build(None, device, sgd=device.type == "cpu")

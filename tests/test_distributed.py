@@ -61,6 +61,15 @@ def test_a_change_on_one_rank_recaptures_on_every_rank():
         assert report["stats"]["captures"] == 2, f"rank {rank} did not re-capture with the other: {report}"
 
 
+def test_the_recapture_limit_reached_on_one_rank_stops_every_rank():
+    reports = run_ranks(one_rank_changes, 2, change="move", max_recaptures=0)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1 and report["stats"]["eager_calls"] == 6, (
+            f"rank {rank}: {report}"
+        )
+
+
 def test_a_new_shape_on_one_rank_holds_the_others_back_until_it_can_capture():
     reports = run_ranks(one_rank_changes, 2, change="shape")
     for rank, report in enumerate(reports):

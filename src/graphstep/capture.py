@@ -8,32 +8,37 @@ same signature copy their tensors into the graph's static input buffers and repl
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import logging
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import distributed
+from . import distributed, lifecycle
 from . import signature as sig
 from .backends import Backend, CudaGraphBackend, Recording, choose_backend
 from .config import Config
-from .diagnostics import HostSyncWatch, StepStats, capture_error, host_sync_error, log
+from .diagnostics import (
+    HostSyncWatch,
+    StepStats,
+    capture_error,
+    eager_fallback_message,
+    host_sync_error,
+    log,
+    stale_message,
+    too_many_graphs_message,
+)
 from .distributed import Agreement, Phase, Ranks
 from .errors import ClosedError, GraphStepError, StaleGraphError, TooManyGraphsError
-from .guards import StateGuard, bindings, named_state_tensors
+from .guards import StateGuard, bindings
 from .optim import OptimizerAdapter
 from .signature import Signature
 from .state import Snapshot, TrainingState, as_list
 from .verify import verify
 
-_live_steps: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 _MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
 
 
@@ -60,14 +65,8 @@ def capture(
     warm up, capture and re-capture together. Returns a `CapturedStep` that keeps `fn`'s
     signature.
     """
-    options = {
-        "model": model,
-        "optimizer": optimizer,
-        "generators": generators,
-        "share_pool_with": share_pool_with,
-        "process_group": process_group,
-        "config": config,
-    }
+    options = dict(model=model, optimizer=optimizer, generators=generators)
+    options.update(share_pool_with=share_pool_with, process_group=process_group, config=config)
     if fn is None:
         return functools.partial(capture, **options)
     return CapturedStep(fn, **options)
@@ -136,7 +135,7 @@ class CapturedStep:
         self._stats = StepStats()
         self._busy = False
         self._closed = False
-        _live_steps.add(self)
+        lifecycle.opened(self)
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -157,6 +156,12 @@ class CapturedStep:
         graphs = sum(e.recording is not None for e in self._entries.values())
         pool = self._backend.pool_bytes() if self._backend is not None else 0
         return dataclasses.replace(self._stats, graphs_alive=graphs, pool_bytes=pool)
+
+    @property
+    def group(self) -> Any:
+        """The process group whose ranks run this step together; None for one process (or
+        before the first call)."""
+        return self._ranks.group if self._ranks is not None else None
 
     @property
     def backend_name(self) -> str | None:
@@ -194,7 +199,7 @@ class CapturedStep:
             if self._backend.users <= 0:  # the last step sharing it
                 self._backend.close()
         self._closed = True
-        _live_steps.discard(self)
+        lifecycle.closed(self)
 
     def __enter__(self) -> CapturedStep:
         return self
@@ -219,10 +224,11 @@ class CapturedStep:
         entry = self._entry(signature, backend)
         phase, changes = self._phase(entry)
         refuse = phase is Phase.CAPTURE and entry.recording is None and bool(entry.sync_sites)
+        limited = bool(changes) and entry.recaptures >= self.config.max_recaptures
         if self._ranks is not None:  # every rank acts on the least advanced rank's phase
-            agreed = self._ranks.agree(phase, refuse)
+            agreed = self._ranks.agree(phase, refuse, limited)
         else:
-            agreed = Agreement(phase, None, 0 if refuse else None)
+            agreed = Agreement(phase, None, 0 if refuse else None, 0 if limited else None)
         if agreed.refused_by is not None and agreed.phase is Phase.CAPTURE:
             raise self._refuse_capture(entry, agreed.refused_by)
         if entry is None or entry.stale:
@@ -230,9 +236,11 @@ class CapturedStep:
         if agreed.phase is Phase.REPLAY:
             return self._replay(entry, leaves, args, kwargs)
         if agreed.phase is Phase.CAPTURE:
-            if entry.recording is None:
+            if entry.recording is None and agreed.limited_by is None:
                 return self._capture(entry, backend, leaves, args, kwargs)
-            return self._recapture(entry, backend, changes, leaves, args, kwargs, agreed.held_back_by)
+            if entry.recording is None:  # another rank stops capturing: step eagerly with it
+                return self._run_eager(signature, args, kwargs, quiet=True)
+            return self._recapture(entry, backend, changes, leaves, args, kwargs, agreed)
         # Phase.EAGER: some rank (maybe this one) runs this call eagerly.
         if entry.recording is not None:
             if not changes:  # another rank warms up: keep this graph, step eagerly with it
@@ -325,35 +333,24 @@ class CapturedStep:
         return result
 
     def _verified_replay(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
-        backend = self._backend
-        named = list(named_state_tensors(self._state, self._fn))
-        named += [
-            (f"{n}.grad", p.grad)
-            for n, p in named
-            if isinstance(p, torch.nn.Parameter) and p.grad is not None
-        ]
-        refs = Snapshot.take(self._state, backend.cuda_devices)
         # The eager run reads the same static buffers the replay will.
-        eager_args, eager_kwargs = (
-            sig.unflatten(entry.signature.spec, entry.buffers) if entry.buffers else (args, kwargs)
-        )
+        eager = sig.unflatten(entry.signature.spec, entry.buffers) if entry.buffers else (args, kwargs)
         return verify(
-            named,
-            refs,
-            run_eager=lambda: backend.warmup(self._fn, eager_args, eager_kwargs, in_pool=False),
+            self._state,
+            self._fn,
+            self._backend.cuda_devices,
+            run_eager=lambda: self._backend.warmup(self._fn, *eager, in_pool=False),
             replay=lambda: entry.recording.replay(args, kwargs),
             tolerance=self.config.verify_tolerance,
         )
 
-    def _refuse_capture(self, entry: _Entry | None, rank: int) -> GraphStepError:
+    def _refuse_capture(self, entry: _Entry, rank: int) -> GraphStepError:
         """The last warm-up synchronised with the host (on this rank or on `rank`): no rank
         captures, and each warms up (and looks) once more on its next call."""
-        sites = entry.sync_sites if entry is not None else []
-        if entry is not None and entry.recording is None and entry.warmups >= self._warmups_needed:
+        sites, entry.sync_sites = entry.sync_sites, []
+        if entry.recording is None and entry.warmups >= self._warmups_needed:
             entry.warmups -= 1
-            entry.sync_sites = []
-        elsewhere = None if sites else rank
-        return host_sync_error(self._name, sites, elsewhere)
+        return host_sync_error(self._name, sites, None if sites else rank)
 
     def _recapture(
         self,
@@ -363,13 +360,14 @@ class CapturedStep:
         leaves: list,
         args: tuple,
         kwargs: dict,
-        capturing_rank: int | None = None,
+        agreed: Agreement,
     ) -> Any:
-        """Capture `entry` again because of `changes`; with none, because `capturing_rank` captures
+        """Capture `entry` again because of `changes`; with none, because another rank captures
         (ranks capture together), which does not count towards `max_recaptures`."""
-        if not changes:
-            changes = [f"rank {capturing_rank} captures, and ranks capture together"]
-        old = self._retire(entry, changes, counted=capturing_rank is None)
+        forced = [f"rank {agreed.held_back_by} captures, and ranks capture together"]
+        old = self._retire(
+            entry, changes or forced, counted=bool(changes), limited=agreed.limited_by is not None
+        )
         if old is None:
             return self._run_eager(entry.signature, args, kwargs)
         try:
@@ -380,7 +378,7 @@ class CapturedStep:
 
     def _rewarm(self, entry: _Entry, backend: Backend, changes: list[str], args: tuple, kwargs: dict) -> Any:
         """Drop a graph whose state changed and warm up once before capturing again."""
-        old = self._retire(entry, changes)
+        old = self._retire(entry, changes, limited=entry.recaptures >= self.config.max_recaptures)
         if old is None:
             return self._run_eager(entry.signature, args, kwargs)
         old.release()
@@ -388,25 +386,22 @@ class CapturedStep:
         entry.warmups = self._warmups_needed - 1
         return self._warm_up(entry, backend, args, kwargs)
 
-    def _retire(self, entry: _Entry, changes: list[str], *, counted: bool = True) -> Recording | None:
+    def _retire(
+        self, entry: _Entry, changes: list[str], *, limited: bool, counted: bool = True
+    ) -> Recording | None:
         """Take `entry`'s graph out of service because `changes` happened; returns it for the
-        caller to release. Past `max_recaptures`: raises, or marks the entry stale (None)."""
+        caller to release. `limited` (past `max_recaptures` on some rank): raises, or marks the
+        entry stale and returns None."""
         what = "\n".join(f"  - {c}" for c in changes)
         old, entry.recording, entry.guard = entry.recording, None, None
         entry.recaptures += counted
-        if entry.recaptures <= self.config.max_recaptures:
+        if not limited:
             log.warning(
                 "graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what
             )
             return old
         old.release()
-        message = (
-            f"{self._name}: state its graph depends on changed again, past "
-            f"Config.max_recaptures={self.config.max_recaptures}:\n{what}\n"
-            "Replaying would silently differ from eager. Keep parameters and optimizer state in place "
-            "(copy_ into them instead of replacing), keep hyperparameters as tensors (graphstep's optimizer "
-            "support turns lr into one), or raise max_recaptures."
-        )
+        message = stale_message(self._name, self.config.max_recaptures, what)
         if self.config.on_recapture_limit == "raise":
             raise StaleGraphError(message)
         entry.stale = True
@@ -422,11 +417,7 @@ class CapturedStep:
             and len(self._eager_keys) < _MAX_EAGER_KEYS
         ):
             self._eager_keys.add(signature)
-            message = (
-                f"graphstep: {self._name} already holds max_graphs={self.config.max_graphs} graphs; "
-                f"running this call eagerly (slow) for {signature.describe()}. Pad or bucket the inputs "
-                "to fewer shapes, or raise Config.max_graphs."
-            )
+            message = eager_fallback_message(self._name, self.config.max_graphs, signature)
             warnings.warn(message, stacklevel=3)
             log.warning(message)
         self._stats.eager_calls += 1
@@ -445,15 +436,8 @@ class CapturedStep:
     def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
         if self._backend is None:
             # Modules and optimizers the step reaches through its closure or globals are state too.
-            found = [(label, value) for label, _, value in bindings(self._fn)]
-            self._state.discover(found)
-            self._generators += [
-                g
-                for _, g in found
-                if isinstance(g, torch.Generator)
-                and g.device.type == "cuda"
-                and not any(g is known for known in self._generators)
-            ]
+            found = self._state.discover((label, value) for label, _, value in bindings(self._fn))
+            self._generators += [g for g in found if not any(g is known for known in self._generators)]
             self._optim = OptimizerAdapter(self._state.optimizers)
             if self._share is not None:
                 if self._share._backend is None:
@@ -487,15 +471,7 @@ class CapturedStep:
         return entry
 
     def _too_many_message(self, signature: Signature) -> str:
-        seen = "\n".join(f"  - {s.describe()}" for s in self._entries)
-        return (
-            f"{self._name} was called with a new input signature, and it already holds "
-            f"Config.max_graphs={self.config.max_graphs} graphs, one per signature:\n{seen}\n"
-            f"new: {signature.describe()}\n"
-            "Each distinct shape, dtype, stride or Python value needs its own graph. Pad or bucket "
-            "inputs to a few fixed shapes, pass changing numbers as tensors, raise max_graphs, or set "
-            'Config(on_too_many_graphs="eager") to run new signatures eagerly with a warning.'
-        )
+        return too_many_graphs_message(self._name, self.config.max_graphs, list(self._entries), signature)
 
     def _buffers(self, entry: _Entry, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         if entry.buffers is None:
@@ -520,27 +496,3 @@ class CapturedStep:
         if self.config.outputs == "graph":
             return outputs
         return sig.unflatten(entry.output_spec, [t.clone() for t in entry.output_tensors])
-
-
-def _close_steps_on(group: Any) -> None:
-    """Before `destroy_process_group(group)`: close the steps whose graphs may hold its collectives."""
-    import torch.distributed as dist
-
-    whole_world = group is None or group is dist.group.WORLD
-    for step in list(_live_steps):
-        if whole_world or (step._ranks is not None and step._ranks.group is group):
-            step.close()
-
-
-distributed.close_before_destroy(_close_steps_on)
-distributed.set_nccl_graph_registration()
-
-
-@atexit.register
-def _close_all() -> None:
-    # Graphs alive at interpreter exit can hang or crash teardown (NCCL, the allocator).
-    for step in list(_live_steps):
-        try:
-            step.close()
-        except Exception as exc:  # exit must go on
-            logging.getLogger("graphstep").warning("graphstep: closing %r at exit failed: %s", step, exc)

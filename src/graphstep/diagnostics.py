@@ -152,6 +152,37 @@ def host_sync_error(step_name: str, sites: list[str], rank: int | None = None) -
     )
 
 
+def eager_fallback_message(step_name: str, max_graphs: int, signature: object) -> str:
+    return (
+        f"graphstep: {step_name} already holds max_graphs={max_graphs} graphs; running this call "
+        f"eagerly (slow) for {signature.describe()}. Pad or bucket the inputs to fewer shapes, or raise "
+        "Config.max_graphs."
+    )
+
+
+def stale_message(step_name: str, max_recaptures: int, what: str) -> str:
+    return (
+        f"{step_name}: state its graph depends on changed again, past "
+        f"Config.max_recaptures={max_recaptures}:\n{what}\n"
+        "Replaying would silently differ from eager. Keep parameters and optimizer state in place "
+        "(copy_ into them instead of replacing), keep hyperparameters as tensors (graphstep's optimizer "
+        "support turns lr into one), or raise max_recaptures."
+    )
+
+
+def too_many_graphs_message(step_name: str, max_graphs: int, seen: list, new: object) -> str:
+    """`seen` and `new`: input signatures (anything with `describe()`)."""
+    listed = "\n".join(f"  - {s.describe()}" for s in seen)
+    return (
+        f"{step_name} was called with a new input signature, and it already holds "
+        f"Config.max_graphs={max_graphs} graphs, one per signature:\n{listed}\n"
+        f"new: {new.describe()}\n"
+        "Each distinct shape, dtype, stride or Python value needs its own graph. Pad or bucket "
+        "inputs to a few fixed shapes, pass changing numbers as tensors, raise max_graphs, or set "
+        'Config(on_too_many_graphs="eager") to run new signatures eagerly with a warning.'
+    )
+
+
 def host_sync_ops() -> set:
     """ATen operations whose result a CUDA stream cannot produce without the host waiting."""
     aten = torch.ops.aten

@@ -51,6 +51,9 @@ class Agreement:
     """A rank whose own phase is that lowest one (for messages), None when all replay."""
     refused_by: int | None
     """A rank whose warm-up found host syncs: every rank refuses to capture."""
+    limited_by: int | None
+    """A rank whose re-capture would pass `Config.max_recaptures`: no rank captures; each runs
+    this signature eagerly from then on (or raises `StaleGraphError`)."""
 
 
 class Ranks:
@@ -68,24 +71,23 @@ class Ranks:
             self.vote_group = dist.new_group(
                 dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True
             )
-        self._ballot = torch.zeros(3, dtype=torch.int64)
+        self._ballot = torch.zeros(4, dtype=torch.int64)
 
-    def agree(self, phase: Phase, refuse: bool) -> Agreement:
+    def agree(self, phase: Phase, refuse: bool, limited: bool) -> Agreement:
         """Every rank calls this with its own answers; all get the same result."""
         import torch.distributed as dist
 
         mine = self.rank + 1
-        # One MAX-reduction carries all three: the lowest phase as (REPLAY - phase), and for
-        # messages a rank holding back and a rank refusing (rank + 1, 0 for none).
+        # One MAX-reduction carries it all: the lowest phase as (REPLAY - phase), and a rank
+        # (rank + 1; 0 for none) holding back, one refusing, and one at its re-capture limit.
         ballot = self._ballot
         ballot[0] = Phase.REPLAY - phase
         ballot[1] = mine if phase < Phase.REPLAY else 0
         ballot[2] = mine if refuse else 0
+        ballot[3] = mine if limited else 0
         dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=self.vote_group)
-        lowest, held, refused = ballot.tolist()
-        return Agreement(
-            Phase(Phase.REPLAY - lowest), held - 1 if held else None, refused - 1 if refused else None
-        )
+        lowest, *ranks = ballot.tolist()
+        return Agreement(Phase(Phase.REPLAY - lowest), *(r - 1 if r else None for r in ranks))
 
 
 def ranks_for(process_group: object | None) -> Ranks | None:

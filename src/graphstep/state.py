@@ -76,15 +76,20 @@ class TrainingState:
         default = ["model"] if len(self.modules) == 1 else [f"model[{i}]" for i in range(len(self.modules))]
         return [(self.labels.get(id(m), name), m) for name, m in zip(default, self.modules)]
 
-    def discover(self, labelled: Iterable[tuple[str, object]]) -> None:
-        """Add the modules and optimizers among a step's closure and globals, by their names there."""
+    def discover(self, labelled: Iterable[tuple[str, object]]) -> list[torch.Generator]:
+        """Add the modules and optimizers among a step's closure and globals, by their names there.
+        Returns the CUDA generators among them (the graph must advance those)."""
+        generators = []
         for label, obj in labelled:
+            if isinstance(obj, torch.Generator) and obj.device.type == "cuda":
+                generators.append(obj)
             if isinstance(obj, nn.Module):
                 if not any(obj is sub for root in self.modules for sub in root.modules()):
                     self.modules.append(obj)
                     self.labels[id(obj)] = label
             elif isinstance(obj, torch.optim.Optimizer) and not any(obj is o for o in self.optimizers):
                 self.optimizers.append(obj)
+        return generators
 
     def devices(self) -> set[torch.device]:
         found = {p.device for p in self.parameters()}

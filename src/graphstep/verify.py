@@ -15,7 +15,8 @@ import torch
 
 from . import signature as sig
 from .errors import VerificationError
-from .state import Snapshot
+from .guards import named_state_tensors
+from .state import Snapshot, TrainingState
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
@@ -29,13 +30,19 @@ def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
 
 
 def verify(
-    named: list[tuple[str, torch.Tensor]],
-    refs: Snapshot,
+    state: TrainingState,
+    fn: Callable,
+    cuda_devices: tuple[int, ...],
     run_eager: Callable[[], Any],
     replay: Callable[[], Any],
     tolerance: float,
 ) -> Any:
     """Run eager then replay from the same state; return the replay's outputs if they agree."""
+    named = list(named_state_tensors(state, fn))
+    named += [
+        (f"{n}.grad", p.grad) for n, p in named if isinstance(p, torch.nn.Parameter) and p.grad is not None
+    ]
+    refs = Snapshot.take(state, cuda_devices)
     before = [t.detach().clone() for _, t in named]
     eager_out = sig.flatten(run_eager())[0]
     eager_out = [t.detach().clone() for t in eager_out]
