@@ -435,6 +435,7 @@ class CapturedStep:
 
     def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
         if self._backend is None:
+            self._ranks = distributed.ranks_for(self._process_group)  # first: it may refuse
             # Modules and optimizers the step reaches through its closure or globals are state too.
             found = self._state.discover((label, value) for label, _, value in bindings(self._fn))
             self._generators += [g for g in found if not any(g is known for known in self._generators)]
@@ -449,7 +450,6 @@ class CapturedStep:
             else:
                 self._backend = choose_backend(self.config, leaves, self._state, self._name)
             self._backend.users += 1
-            self._ranks = distributed.ranks_for(self._process_group)
             if self._ranks is not None and isinstance(self._backend, CudaGraphBackend):
                 distributed.check_nccl_graph_registration(self._ranks.group)
             if distributed.prepare_ddp(self._state.modules):
