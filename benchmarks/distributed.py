@@ -21,51 +21,20 @@ import torch
 import torch.distributed as dist
 
 import graphstep
-from graphstep.demo.bench import gpu_slug
+from graphstep.demo.bench import ManualGraphStep, gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
 from graphstep.demo.parallel import KINDS, parallelize
+from graphstep.demo.train import StepFn, make_train_step
 from graphstep.distributed import DDP_WARMUP_STEPS, Phase, Ranks
 
 BATCH = 16
 
 
-def training(kind: str, base: GPT, device: torch.device):
+def training(kind: str, base: GPT, device: torch.device) -> StepFn:
     model = parallelize(copy.deepcopy(base), kind)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     graphstep.optim.make_capturable(opt, device)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return step
-
-
-def hand_written_graph(step, x: torch.Tensor, y: torch.Tensor):
-    """The expert's version: warm up on a side stream, capture the whole step, replay it."""
-    static_x, static_y = x.clone(), y.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(DDP_WARMUP_STEPS):
-            step(static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        loss = step(static_x, static_y)
-
-    def replay(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        static_x.copy_(x)
-        static_y.copy_(y)
-        graph.replay()
-        return loss
-
-    return replay, graph
+    return make_train_step(model, opt, amp=True)
 
 
 def ms_per_step(run, data: list, warmup: int) -> float:
@@ -108,9 +77,9 @@ def main() -> None:
         seed = 0 if kind == "tp" else rank  # tensor-parallel ranks share batches
         data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=seed, device="cuda")
         eager = ms_per_step(training(kind, base, device), data, warmup)
-        manual, graph = hand_written_graph(training(kind, base, device), *data[0])
+        manual = ManualGraphStep(training(kind, base, device), warmup=DDP_WARMUP_STEPS)
         hand = ms_per_step(manual, data, warmup)
-        graph.reset()
+        manual.close()
         step = graphstep.capture(training(kind, base, device))
         captured = ms_per_step(step, data, warmup)
         step.close()

@@ -265,7 +265,8 @@ class ManualGraphStep:
         if self.graph is None:
             sx, sy = x.clone(), y.clone()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: other threads (NCCL's watchdog, say) may use CUDA meanwhile.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.static = (sx, sy, self.fn(sx, sy))
         else:
             assert self.static is not None
