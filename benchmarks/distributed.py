@@ -54,7 +54,7 @@ def vote_us(n: int = 2000) -> float:
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        ranks.agree(Phase.REPLAY, False)
+        ranks.agree(Phase.REPLAY, False, False)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
