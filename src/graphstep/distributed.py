@@ -64,7 +64,6 @@ class Ranks:
 
         self.group = group
         self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
         if dist.get_backend(group) == "gloo":
             self.vote_group = group
         else:  # NCCL: vote over gloo among the same ranks, so no GPU stream is involved
