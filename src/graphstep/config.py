@@ -16,7 +16,8 @@ class Config:
     warmup_steps: int = 3
     """Eager calls per input signature before capture. They are real training steps, run on the
     capture stream inside the step's memory pool. Three covers lazily created state: AdamW creates
-    its moments on step 1, DDP rebuilds its buckets after step 1."""
+    its moments on step 1. A step with a DDP module warms up at least 11 times (DDP rebuilds its
+    buckets after step 1 and records timing events during its first 10 iterations)."""
 
     max_graphs: int = 8
     """Most input signatures (shapes, dtypes, Python values) captured at once. Each holds one graph;
