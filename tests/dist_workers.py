@@ -215,3 +215,20 @@ def leave_step_open(rank: int, size: int, *, kind: str = "ddp") -> dict:
         step(x, y)
     leave_step_open.kept = step  # alive until the interpreter exits
     return {"graphs": step.stats.graphs_alive}
+
+
+def dtensor_shard_replaced(rank: int, size: int) -> dict:
+    """A tensor-parallel parameter whose local shard is replaced between calls: the guard reads
+    through the DTensor to its shard and captures again."""
+    device = _device(rank)
+    model, opt = _build("tp", device)
+    step = graphstep.capture(_step_fn(model, opt, device), model=model, optimizer=opt)
+    data = _data("tp", rank, 8, device)
+    for i, (x, y) in enumerate(data):
+        if i == 5:
+            weight = model.blocks[0].fc.weight
+            weight._local_tensor = weight._local_tensor.clone()
+        step(x, y)
+    report = {"stats": dataclasses.asdict(step.stats)}
+    step.close()
+    return report

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import graphstep
 from dist_workers import (
     destroy_with_open_step,
+    dtensor_shard_replaced,
     leave_step_open,
     one_rank_changes,
     one_rank_syncs,
@@ -92,6 +93,11 @@ def test_a_host_sync_on_one_rank_stops_every_rank_from_capturing():
     assert len(rank0["errors"]) == len(rank1["errors"]) >= 1
     assert "on rank 1" in rank0["errors"][0]
     assert "dist_workers.py" in rank1["errors"][0] and "float(total)" in rank1["errors"][0]
+
+
+def test_a_replaced_dtensor_shard_is_seen_by_the_guard():
+    for report in run_ranks(dtensor_shard_replaced, 2):
+        assert report["stats"]["captures"] == 2
 
 
 def test_destroy_process_group_closes_live_steps_first():
