@@ -288,7 +288,7 @@ def test_an_eval_step_shares_the_training_steps_backend(twins):
         evaluation(x, y)
     train(x, y)
     evaluation(x, y)
-    assert evaluation._backend is train._backend and train._backend.users == 2
+    assert evaluation._ctx.backend is train._ctx.backend and train._ctx.backend.users == 2
     evaluation.close()
-    assert train._backend.users == 1
+    assert train._ctx.backend.users == 1
     train.close()

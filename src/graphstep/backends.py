@@ -19,10 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .config import Config
-from .diagnostics import log
-from .errors import GraphStepError
-from .state import TrainingState
+from .segments import Segment, Splitter
 from .undo import UndoLog
 
 
@@ -37,6 +34,42 @@ class Recording(Protocol):
         ...
 
     def release(self) -> None: ...
+
+
+class PartsRecording:
+    """A captured step as parts (graphs, or lists of recorded operations) with eager segments
+    between them (see `segments.py`); without segments, one part."""
+
+    def __init__(self, parts: list[Callable[[], None]], release: Callable[[], None]):
+        self.parts = parts
+        self._release = release
+        self.outputs: Any = None
+        self.segments: list[Segment] = []
+        self.grads_after: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        """Each parameter's `.grad` as the capture left it: put back after a replay with segments,
+        which attach the grads they read."""
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        parts = self.parts
+        if not self.segments:
+            parts[0]()
+            return self.outputs
+        for part, segment in zip(parts, self.segments):
+            part()
+            segment.run()
+        parts[-1]()
+        for p, g in self.grads_after:
+            p.grad = g
+        return self.outputs
+
+    def release(self) -> None:
+        if self.parts:
+            self._release()
+        self.parts, self.segments, self.grads_after, self.outputs = [], [], [], None
+
+
+CaptureBody = Callable[[Splitter], Any]
+"""The step as a backend captures it: called once with the backend's splitter, returns the outputs."""
 
 
 class Backend(Protocol):
@@ -59,9 +92,10 @@ class Backend(Protocol):
         scratch between its replays must not hold tensors that outlive an eager call."""
         ...
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
-        """Record the step. `generators`: the step's own CUDA `torch.Generator`s, which a graph
-        must know to advance them on every replay as eager would."""
+    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+        """Record `body` (the step). `args, kwargs`: the call's (the eager backend replays with a
+        call's own arguments). `generators`: the step's own CUDA `torch.Generator`s, which a
+        graph must know to advance them on every replay as eager would."""
         ...
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
@@ -77,17 +111,25 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def _no_split() -> None:
+    pass
+
+
+_NO_SPLIT = Splitter(_no_split, _no_split, executes=True)
+"""The eager backend never splits: no segment session is active while it runs a step."""
+
+
 def empty_like_strided(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
 
 
 class _EagerRecording:
-    def __init__(self, fn: Callable, outputs: Any):
-        self.fn = fn
+    def __init__(self, body: CaptureBody, outputs: Any):
+        self.body = body
         self.outputs = outputs
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
-        return self.fn(*args, **kwargs)
+        return self.body(_NO_SPLIT, *args, **kwargs)
 
     def release(self) -> None:
         self.outputs = None
@@ -106,16 +148,16 @@ class EagerBackend:
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
         # The step runs here; if it (or the check of its outputs) fails, take its writes back.
         undo = UndoLog()
         try:
             with undo:
-                outputs = fn(*args, **kwargs)
+                outputs = body(_NO_SPLIT, *args, **kwargs)
         except BaseException:
             undo.roll_back()
             raise
-        return _EagerRecording(fn, outputs)
+        return _EagerRecording(body, outputs)
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return empty_like_strided(like)
@@ -153,24 +195,6 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
     if index not in _capture_streams:
         _capture_streams[index] = torch.cuda.Stream(device=index)
     return _capture_streams[index]
-
-
-class _CudaRecording:
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, backend: CudaGraphBackend):
-        self.graph = graph
-        self.outputs = outputs
-        self.backend = backend
-        backend.graphs += 1
-
-    def replay(self, args: tuple, kwargs: dict) -> Any:
-        self.graph.replay()
-        return self.outputs
-
-    def release(self) -> None:
-        if self.graph is not None:
-            self.graph.reset()
-            self.backend.graphs -= 1
-        self.graph = self.outputs = None
 
 
 class CudaGraphBackend:
@@ -240,32 +264,59 @@ class CudaGraphBackend:
         with self._on_capture_stream(), self._in_pool() if in_pool else contextlib.nullcontext():
             return fn(*args, **kwargs)
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
-        graph = torch.cuda.CUDAGraph()
-        for generator in generators:
-            graph.register_generator_state(generator)
+    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+        graphs: list[torch.cuda.CUDAGraph] = []
+        capturing = False
+
+        def begin_part() -> None:
+            nonlocal capturing
+            graph = torch.cuda.CUDAGraph()
+            for generator in generators:
+                graph.register_generator_state(generator)
+            graphs.append(graph)
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            capturing = True
+
+        def end_part() -> None:
+            nonlocal capturing
+            capturing = False
+            graphs[-1].capture_end()
+
         torch.cuda.synchronize(self.index)
         gc.collect()  # a collection inside capture could free memory a kernel is using
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
             with self._on_capture_stream():
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                begin_part()
                 try:
-                    outputs = fn(*args, **kwargs)
+                    outputs = body(Splitter(end_part, begin_part, executes=False), *args, **kwargs)
                 except BaseException:
                     # End the failed capture so the stream is usable again; its own error
                     # (capture invalidated) says less than the step's, which propagates. A
                     # failing capture_end skips un-routing the pool, so do that here too.
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()
+                    if capturing:
+                        with contextlib.suppress(Exception):
+                            graphs[-1].capture_end()
+                    for graph in graphs:
+                        with contextlib.suppress(Exception):
+                            graph.reset()
                     self._abandon_pool()
                     raise
-                graph.capture_end()
+                end_part()
         finally:
             if gc_was_enabled:
                 gc.enable()
-        return _CudaRecording(graph, outputs, self)
+        self.graphs += 1
+
+        def release() -> None:
+            for graph in graphs:
+                graph.reset()
+            self.graphs -= 1
+
+        recording = PartsRecording([graph.replay for graph in graphs], release)
+        recording.outputs = outputs
+        return recording
 
     def _abandon_pool(self) -> None:
         """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
@@ -300,32 +351,3 @@ class CudaGraphBackend:
         if self.pool is not None:
             _allocator_calls()[2](self.index, self.pool)
             self.pool = None
-
-
-def choose_backend(config: Config, leaves: list[torch.Tensor], state: TrainingState, name: str) -> Backend:
-    """The backend a step runs on, from the config and where its tensors live."""
-    if config.backend == "eager":
-        return EagerBackend()
-    if config.backend == "recording":
-        from .recording import RecordingBackend  # it builds on this module
-
-        return RecordingBackend()
-    devices = {t.device for t in leaves} | state.devices()
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-    if len({d.index for d in cuda}) > 1:
-        raise GraphStepError(
-            f"{name}'s tensors are on several CUDA devices ({', '.join(map(str, cuda))}); one captured step "
-            "runs on one device. Use one process per GPU (DDP, FSDP) instead."
-        )
-    if cuda and torch.cuda.is_available():
-        return CudaGraphBackend(cuda[0])
-    if config.backend == "cuda":
-        raise GraphStepError(
-            f'Config(backend="cuda") but {name} has no CUDA tensors (inputs, model= or optimizer=) '
-            f"or CUDA is not available (torch.cuda.is_available() = {torch.cuda.is_available()})."
-        )
-    reason = "CUDA is not available" if not torch.cuda.is_available() else "the step's tensors are on the CPU"
-    if not devices:
-        reason = "graphstep sees no tensors (pass model=, optimizer= or tensor arguments)"
-    log.info("graphstep: %s, so %s runs eagerly (same API and checks, no graphs).", reason, name)
-    return EagerBackend()

@@ -1,43 +1,35 @@
-"""`graphstep.capture`: the public verb, and `CapturedStep`, the state machine behind it.
+"""`graphstep.capture`: the public verb, and `CapturedStep`, the thin face that dispatches.
 
-Per input signature (see `signature.py`) a step goes WARM-UP -> CAPTURED. Warm-up calls are
-real eager steps; the call after the last warm-up captures, and, since a CUDA capture executes
-nothing, replays once, so that every call performs exactly one step. Later calls with the
-same signature copy their tensors into the graph's static input buffers and replay.
+A call is keyed by its input signature (see `signature.py`); each signature has its own
+`Lifecycle` (warm-up -> capture -> replay, variants, re-captures: `lifecycle.py`). Here: setting
+up on the first call (backend, ranks, optimizers), picking the lifecycle, the ranks' vote, and
+the fallback past `Config.max_graphs`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import distributed, lifecycle
+from . import distributed, teardown
 from . import signature as sig
-from .backends import Backend, CudaGraphBackend, Recording, choose_backend
+from .backends import Backend, CudaGraphBackend, EagerBackend
 from .config import Config
-from .diagnostics import (
-    HostSyncWatch,
-    StepStats,
-    capture_error,
-    eager_fallback_message,
-    host_sync_error,
-    log,
-    stale_message,
-    too_many_graphs_message,
-)
-from .distributed import Agreement, Phase, Ranks
-from .errors import ClosedError, GraphStepError, StaleGraphError, TooManyGraphsError
-from .guards import StateGuard, bindings
+from .diagnostics import StepStats, eager_fallback_message, log, too_many_graphs_message
+from .distributed import Agreement
+from .errors import ClosedError, GraphStepError, TooManyGraphsError
+from .guards import bindings
+from .lifecycle import Lifecycle, StepContext
 from .optim import OptimizerAdapter
+from .recording import RecordingBackend
 from .signature import Signature
-from .state import Snapshot, TrainingState, as_list
-from .verify import verify
+from .state import TrainingState, as_list
 
 _MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
 
@@ -72,28 +64,6 @@ def capture(
     return CapturedStep(fn, **options)
 
 
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    """One input signature: its warm-up count, then its graph and static buffers."""
-
-    signature: Signature
-    warmups: int = 0
-    buffers: list[torch.Tensor] | None = None
-    host_staged: bool = False
-    """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
-    recording: Recording | None = None
-    output_spec: Any = None
-    output_tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    guard: StateGuard | None = None
-    recaptures: int = 0
-    stale: bool = False
-    """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
-    optimizer_layout: tuple = ()
-    """`OptimizerAdapter.state_layout()` at capture: which parameters had which optimizer state."""
-    sync_sites: list[str] = dataclasses.field(default_factory=list)
-    """Where the last warm-up synchronised with the host; capture is refused while non-empty."""
-
-
 class CapturedStep:
     """A training step that runs as CUDA graph replays. Create it with `graphstep.capture`."""
 
@@ -119,9 +89,9 @@ class CapturedStep:
             modules=as_list(model, torch.nn.Module, "model"),
             optimizers=as_list(optimizer, torch.optim.Optimizer, "optimizer"),
         )
-        self._entries: dict[Signature, _Entry] = {}
+        self._lives: dict[Signature, Lifecycle] = {}
         self._eager_keys: set[Signature] = set()
-        self._backend: Backend | None = None
+        self._ctx: StepContext | None = None  # set up on the first call
         self._generators = list(generators or [])
         if share_pool_with is not None and not isinstance(share_pool_with, CapturedStep):
             raise TypeError(
@@ -129,44 +99,45 @@ class CapturedStep:
             )
         self._share = share_pool_with
         self._process_group = process_group
-        self._ranks: Ranks | None = None  # set on the first call, with the backend
-        self._warmups_needed = self.config.warmup_steps  # more for DDP, decided on the first call
-        self._optim = OptimizerAdapter([])  # replaced once the first call found the optimizers
         self._stats = StepStats()
-        self._busy = False
+        self._busy: int | None = None  # the thread running a call
         self._closed = False
-        lifecycle.opened(self)
+        teardown.opened(self)
 
     # -- public surface ---------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise ClosedError(f"{self._name} was closed; capture the function again to keep training.")
-        if self._busy:
+        if self._busy is not None:
+            if self._busy != threading.get_ident():
+                raise GraphStepError(
+                    f"{self._name} was called from a second thread while a call is running in another; "
+                    "a captured step is not thread-safe: call it from one thread."
+                )
             raise GraphStepError(f"{self._name} was called from inside itself; a step cannot nest.")
-        self._busy = True
+        self._busy = threading.get_ident()
         try:
             return self._call(args, kwargs)
         finally:
-            self._busy = False
+            self._busy = None
 
     @property
     def stats(self) -> StepStats:
         """A copy of the counters, with the graphs alive and the pool's size read now."""
-        graphs = sum(e.recording is not None for e in self._entries.values())
-        pool = self._backend.pool_bytes() if self._backend is not None else 0
-        return dataclasses.replace(self._stats, graphs_alive=graphs, pool_bytes=pool)
+        pool = self._ctx.backend.pool_bytes() if self._ctx is not None else 0
+        return dataclasses.replace(self._stats, graphs_alive=self._graphs_alive(), pool_bytes=pool)
 
     @property
     def group(self) -> Any:
         """The process group whose ranks run this step together; None for one process (or
         before the first call)."""
-        return self._ranks.group if self._ranks is not None else None
+        return self._ctx.ranks.group if self._ctx is not None and self._ctx.ranks is not None else None
 
     @property
     def backend_name(self) -> str | None:
         """ "cuda", "eager" or "recording" once the first call chose; None before."""
-        return self._backend.name if self._backend is not None else None
+        return self._ctx.backend.name if self._ctx is not None else None
 
     def input_buffers(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """The static input buffers for calls shaped like `args, kwargs`, as `(args, kwargs)`.
@@ -175,31 +146,33 @@ class CapturedStep:
         and pass them back: a call with the buffers themselves copies nothing.
         """
         signature, leaves = Signature.of(args, kwargs)
-        entry = self._entry(signature, self._backend_for(leaves))
-        if entry is None:
+        self._context_for(leaves)
+        life = self._lifecycle(signature)
+        if life is None:
             raise TooManyGraphsError(self._too_many_message(signature))
-        return sig.unflatten(signature.spec, self._buffers(entry, leaves))
+        return sig.unflatten(signature.spec, life.input_buffers(leaves))
 
     def reset(self) -> None:
         """Drop every graph; the next call of each signature warms up again."""
-        for entry in self._entries.values():
-            if entry.recording is not None:
-                entry.recording.release()
-        self._entries.clear()
+        for life in self._lives.values():
+            life.release()
+        self._lives.clear()
         self._eager_keys.clear()
-        self._renew_pool_if_unused()
+        if self._ctx is not None and not self._closed:
+            self._ctx.renew_pool_if_unused()
 
     def close(self) -> None:
         """Release the graphs and the memory pool. Needed before `destroy_process_group`."""
         if self._closed:
             return
         self.reset()
-        if self._backend is not None:
-            self._backend.users -= 1
-            if self._backend.users <= 0:  # the last step sharing it
-                self._backend.close()
+        if self._ctx is not None:
+            backend = self._ctx.backend
+            backend.users -= 1
+            if backend.users <= 0:  # the last step sharing it
+                backend.close()
         self._closed = True
-        lifecycle.closed(self)
+        teardown.closed(self)
 
     def __enter__(self) -> CapturedStep:
         return self
@@ -208,10 +181,11 @@ class CapturedStep:
         self.close()
 
     def __repr__(self) -> str:
-        graphs = sum(e.recording is not None for e in self._entries.values())
-        return f"<graphstep.CapturedStep {self._name} backend={self.backend_name} graphs={graphs}>"
+        return (
+            f"<graphstep.CapturedStep {self._name} backend={self.backend_name} graphs={self._graphs_alive()}>"
+        )
 
-    # -- the state machine --------------------------------------------------------------------
+    # -- dispatch ------------------------------------------------------------------------------
 
     @property
     def _name(self) -> str:
@@ -219,280 +193,111 @@ class CapturedStep:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         signature, leaves = Signature.of(args, kwargs)
-        backend = self._backend_for(leaves)
-        self._optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
-        entry = self._entry(signature, backend)
-        phase, changes = self._phase(entry)
-        refuse = phase is Phase.CAPTURE and entry.recording is None and bool(entry.sync_sites)
-        limited = bool(changes) and entry.recaptures >= self.config.max_recaptures
-        if self._ranks is not None:  # every rank acts on the least advanced rank's phase
-            agreed = self._ranks.agree(phase, refuse, limited)
+        ctx = self._context_for(leaves)
+        ctx.optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
+        life = self._lifecycle(signature)
+        if life is None:
+            return self._run_eager_fallback(signature, args, kwargs)
+        plan = life.plan()
+        if ctx.ranks is not None:  # every rank acts on the least advanced rank's phase
+            agreed = ctx.ranks.agree(plan.phase, plan.limited)
         else:
-            agreed = Agreement(phase, None, 0 if refuse else None, 0 if limited else None)
-        if agreed.refused_by is not None and agreed.phase is Phase.CAPTURE:
-            raise self._refuse_capture(entry, agreed.refused_by)
-        if entry is None or entry.stale:
-            return self._run_eager(signature, args, kwargs)
-        if agreed.phase is Phase.REPLAY:
-            return self._replay(entry, leaves, args, kwargs)
-        if agreed.phase is Phase.CAPTURE:
-            if entry.recording is None and agreed.limited_by is None:
-                return self._capture(entry, backend, leaves, args, kwargs)
-            if entry.recording is None:  # another rank stops capturing: step eagerly with it
-                return self._run_eager(signature, args, kwargs, quiet=True)
-            return self._recapture(entry, backend, changes, leaves, args, kwargs, agreed)
-        # Phase.EAGER: some rank (maybe this one) runs this call eagerly.
-        if entry.recording is not None:
-            if not changes:  # another rank warms up: keep this graph, step eagerly with it
-                return self._run_eager(signature, args, kwargs, quiet=True)
-            return self._rewarm(entry, backend, changes, args, kwargs)
-        return self._warm_up(entry, backend, args, kwargs)
+            agreed = Agreement(plan.phase, None, 0 if plan.limited else None)
+        return life.act(plan, agreed, leaves, args, kwargs)
 
-    def _phase(self, entry: _Entry | None) -> tuple[Phase, list[str]]:
-        """How far this rank is with `entry`, and what changed under its graph, if anything."""
-        if entry is None or entry.stale:
-            return Phase.EAGER, []
-        if entry.recording is None:
-            return (Phase.CAPTURE if entry.warmups >= self._warmups_needed else Phase.EAGER), []
-        if entry.guard is None or entry.guard.holds():
-            return Phase.REPLAY, []
-        changes = entry.guard.changes()
-        if not changes:  # an unrelated module elsewhere in the process was re-registered
-            return Phase.REPLAY, []
-        if self._optim.state_layout() != entry.optimizer_layout:
-            # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
-            # now would record the lazy first step forever. Warm up once more first.
-            return Phase.EAGER, changes
-        return Phase.CAPTURE, changes
-
-    def _warm_up(self, entry: _Entry, backend: Backend, args: tuple, kwargs: dict) -> Any:
-        start = time.perf_counter()
-        if entry.warmups == self._warmups_needed - 1 and backend.static_buffers:
-            # The last warm-up looks for host syncs (earlier ones may lazily create state with
-            # syncs of their own). The step completes; the capture that follows is refused.
-            with HostSyncWatch(cuda=isinstance(backend, CudaGraphBackend)) as watch:
-                outputs = backend.warmup(self._fn, args, kwargs, in_pool=self._pool_is_free())
-            entry.sync_sites = watch.sites
-        else:
-            outputs = backend.warmup(self._fn, args, kwargs, in_pool=self._pool_is_free())
-        entry.warmups += 1
-        self._stats.warmup_calls += 1
-        self._stats.warmup_s += time.perf_counter() - start
-        return sig.detached(outputs)
-
-    def _capture(self, entry: _Entry, backend: Backend, leaves: list, args: tuple, kwargs: dict) -> Any:
-        start = time.perf_counter()
-        if backend.static_buffers:
-            args, kwargs = sig.unflatten(entry.signature.spec, self._buffers(entry, leaves))
-            self._load(entry, leaves)
-        snapshot = Snapshot.take(self._state, backend.cuda_devices)
-
-        def checked_step(*a: Any, **k: Any) -> Any:
-            # Inside the capture, so that a refused output also undoes what the step did.
-            outputs = self._fn(*a, **k)
-            entry.output_spec, entry.output_tensors = sig.replayable_outputs(
-                outputs, self._name, device_only=isinstance(backend, CudaGraphBackend)
-            )
-            return outputs
-
-        try:
-            recording = backend.capture(checked_step, args, kwargs, self._generators)
-        except BaseException as exc:
-            snapshot.restore()
-            if isinstance(exc, GraphStepError) or not isinstance(exc, Exception):
-                raise
-            raise capture_error(self._name, exc) from exc
-        recording.outputs = sig.unflatten(entry.output_spec, entry.output_tensors)
-        entry.recording = recording
-        entry.optimizer_layout = self._optim.state_layout()
-        if self.config.check != "off":
-            entry.guard = StateGuard(
-                self._state, self._fn, strict=self.config.check == "strict", grads_before=snapshot.grads
-            )
-        if isinstance(backend, CudaGraphBackend):
-            torch.cuda.synchronize(backend.index)
-        self._stats.captures += 1
-        self._stats.capture_s += time.perf_counter() - start
-        log.info("graphstep: captured %s for %s", self._name, entry.signature.describe())
-        if backend.capture_executes:
-            return self._deliver(entry, recording.outputs)
-        return self._replay(entry, leaves, args, kwargs)
-
-    def _replay(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict) -> Any:
-        start = time.perf_counter()
-        if self._backend.static_buffers:
-            self._load(entry, leaves)
-        every = self.config.verify_every
-        if every and (self._stats.replays + 1) % every == 0:
-            outputs = self._verified_replay(entry, args, kwargs)
-        else:
-            outputs = entry.recording.replay(args, kwargs)
-        result = self._deliver(entry, outputs)
-        self._stats.replays += 1
-        self._stats.replay_s += time.perf_counter() - start
-        return result
-
-    def _verified_replay(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
-        # The eager run reads the same static buffers the replay will.
-        eager = sig.unflatten(entry.signature.spec, entry.buffers) if entry.buffers else (args, kwargs)
-        return verify(
-            self._state,
-            self._fn,
-            self._backend.cuda_devices,
-            run_eager=lambda: self._backend.warmup(self._fn, *eager, in_pool=False),
-            replay=lambda: entry.recording.replay(args, kwargs),
-            tolerance=self.config.verify_tolerance,
-        )
-
-    def _refuse_capture(self, entry: _Entry, rank: int) -> GraphStepError:
-        """The last warm-up synchronised with the host (on this rank or on `rank`): no rank
-        captures, and each warms up (and looks) once more on its next call."""
-        sites, entry.sync_sites = entry.sync_sites, []
-        if entry.recording is None and entry.warmups >= self._warmups_needed:
-            entry.warmups -= 1
-        return host_sync_error(self._name, sites, None if sites else rank)
-
-    def _recapture(
-        self,
-        entry: _Entry,
-        backend: Backend,
-        changes: list[str],
-        leaves: list,
-        args: tuple,
-        kwargs: dict,
-        agreed: Agreement,
-    ) -> Any:
-        """Capture `entry` again because of `changes`; with none, because another rank captures
-        (ranks capture together), which does not count towards `max_recaptures`."""
-        forced = [f"rank {agreed.held_back_by} captures, and ranks capture together"]
-        old = self._retire(
-            entry, changes or forced, counted=bool(changes), limited=agreed.limited_by is not None
-        )
-        if old is None:
-            return self._run_eager(entry.signature, args, kwargs)
-        try:
-            return self._capture(entry, backend, leaves, args, kwargs)
-        finally:
-            # Released only now: a pool whose last graph is gone cannot be captured into again.
-            old.release()
-
-    def _rewarm(self, entry: _Entry, backend: Backend, changes: list[str], args: tuple, kwargs: dict) -> Any:
-        """Drop a graph whose state changed and warm up once before capturing again."""
-        old = self._retire(entry, changes, limited=entry.recaptures >= self.config.max_recaptures)
-        if old is None:
-            return self._run_eager(entry.signature, args, kwargs)
-        old.release()
-        self._renew_pool_if_unused()
-        entry.warmups = self._warmups_needed - 1
-        return self._warm_up(entry, backend, args, kwargs)
-
-    def _retire(
-        self, entry: _Entry, changes: list[str], *, limited: bool, counted: bool = True
-    ) -> Recording | None:
-        """Take `entry`'s graph out of service because `changes` happened; returns it for the
-        caller to release. `limited` (past `max_recaptures` on some rank): raises, or marks the
-        entry stale and returns None."""
-        what = "\n".join(f"  - {c}" for c in changes)
-        old, entry.recording, entry.guard = entry.recording, None, None
-        entry.recaptures += counted
-        if not limited:
-            log.warning(
-                "graphstep: re-capturing %s because state it depends on changed:\n%s", self._name, what
-            )
-            return old
-        old.release()
-        message = stale_message(self._name, self.config.max_recaptures, what)
-        if self.config.on_recapture_limit == "raise":
-            raise StaleGraphError(message)
-        entry.stale = True
-        warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=5)
-        return None
-
-    def _run_eager(self, signature: Signature, args: tuple, kwargs: dict, *, quiet: bool = False) -> Any:
-        stale = signature in self._entries  # past max_recaptures: warned once already
-        if (
-            not quiet
-            and not stale
-            and signature not in self._eager_keys
-            and len(self._eager_keys) < _MAX_EAGER_KEYS
-        ):
+    def _run_eager_fallback(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
+        """Past `max_graphs` with `on_too_many_graphs="eager"`: warn once per signature."""
+        if signature not in self._eager_keys and len(self._eager_keys) < _MAX_EAGER_KEYS:
             self._eager_keys.add(signature)
             message = eager_fallback_message(self._name, self.config.max_graphs, signature)
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=4)
             log.warning(message)
-        self._stats.eager_calls += 1
-        return sig.detached(self._fn(*args, **kwargs))
+        return self._ctx.run_eager(args, kwargs)
 
-    # -- helpers ------------------------------------------------------------------------------
+    def _context_for(self, leaves: list[torch.Tensor]) -> StepContext:
+        """Set up on the first call: ranks, the state found in the closure, backend, optimizers."""
+        if self._ctx is not None:
+            return self._ctx
+        ranks = distributed.ranks_for(self._process_group)  # first: it may refuse
+        # Modules and optimizers the step reaches through its closure or globals are state too.
+        found = self._state.discover((label, value) for label, _, value in bindings(self._fn))
+        self._generators += [g for g in found if not any(g is known for known in self._generators)]
+        optim = OptimizerAdapter(self._state.optimizers)
+        if self._share is not None:
+            if self._share._ctx is None:
+                raise GraphStepError(
+                    f"{self._name} shares the pool of {self._share._name}, which has not run yet: "
+                    "call that step once first."
+                )
+            backend = self._share._ctx.backend
+        else:
+            backend = choose_backend(self.config, leaves, self._state, self._name)
+        backend.users += 1
+        if ranks is not None and isinstance(backend, CudaGraphBackend):
+            distributed.check_nccl_graph_registration(ranks.group)
+        warmups = self.config.warmup_steps
+        if distributed.prepare_ddp(self._state.modules):
+            warmups = max(warmups, distributed.DDP_WARMUP_STEPS)
+        if backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
+            optim.prepare(getattr(backend, "device", "cpu"))
+        self._ctx = StepContext(
+            fn=self._fn,
+            name=self._name,
+            config=self.config,
+            state=self._state,
+            backend=backend,
+            optim=optim,
+            stats=self._stats,
+            generators=self._generators,
+            ranks=ranks,
+            warmups_needed=warmups,
+            graphs_alive=self._graphs_alive,
+        )
+        if self.config.optimizer_mode == "eager" and backend.static_buffers:
+            self._ctx.move_to_eager(list(self._state.optimizers), 'Config(optimizer_mode="eager")')
+        return self._ctx
 
-    def _renew_pool_if_unused(self) -> None:
-        if self._backend is not None and not self._closed and self._pool_is_free():
-            self._backend.renew_pool()
-
-    def _pool_is_free(self) -> bool:
-        """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
-        return self._backend.graphs == 0
-
-    def _backend_for(self, leaves: list[torch.Tensor]) -> Backend:
-        if self._backend is None:
-            self._ranks = distributed.ranks_for(self._process_group)  # first: it may refuse
-            # Modules and optimizers the step reaches through its closure or globals are state too.
-            found = self._state.discover((label, value) for label, _, value in bindings(self._fn))
-            self._generators += [g for g in found if not any(g is known for known in self._generators)]
-            self._optim = OptimizerAdapter(self._state.optimizers)
-            if self._share is not None:
-                if self._share._backend is None:
-                    raise GraphStepError(
-                        f"{self._name} shares the pool of {self._share._name}, which has not run yet: "
-                        "call that step once first."
-                    )
-                self._backend = self._share._backend
-            else:
-                self._backend = choose_backend(self.config, leaves, self._state, self._name)
-            self._backend.users += 1
-            if self._ranks is not None and isinstance(self._backend, CudaGraphBackend):
-                distributed.check_nccl_graph_registration(self._ranks.group)
-            if distributed.prepare_ddp(self._state.modules):
-                self._warmups_needed = max(self._warmups_needed, distributed.DDP_WARMUP_STEPS)
-            if self._backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
-                self._optim.prepare(getattr(self._backend, "device", "cpu"))
-        return self._backend
-
-    def _entry(self, signature: Signature, backend: Backend) -> _Entry | None:
-        """The entry for `signature`, made if there is room; None means: run eagerly."""
-        entry = self._entries.get(signature)
-        if entry is not None:
-            return entry
-        if len(self._entries) >= self.config.max_graphs:
+    def _lifecycle(self, signature: Signature) -> Lifecycle | None:
+        """The lifecycle of `signature`, made if there is room; None means: run eagerly."""
+        life = self._lives.get(signature)
+        if life is not None:
+            return life
+        if len(self._lives) >= self.config.max_graphs:
             if self.config.on_too_many_graphs == "raise":
                 raise TooManyGraphsError(self._too_many_message(signature))
             return None
-        entry = self._entries[signature] = _Entry(signature)
-        return entry
+        life = self._lives[signature] = Lifecycle(self._ctx, signature)
+        return life
+
+    def _graphs_alive(self) -> int:
+        return sum(life.graphs() for life in self._lives.values())
 
     def _too_many_message(self, signature: Signature) -> str:
-        return too_many_graphs_message(self._name, self.config.max_graphs, list(self._entries), signature)
+        return too_many_graphs_message(self._name, self.config.max_graphs, list(self._lives), signature)
 
-    def _buffers(self, entry: _Entry, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        if entry.buffers is None:
-            entry.buffers = [self._backend.new_buffer(t) for t in leaves]
-            for buffer, t in zip(entry.buffers, leaves):
-                buffer.requires_grad_(t.requires_grad and t.is_leaf)
-            entry.host_staged = any(b.is_pinned() for b in entry.buffers)
-        return entry.buffers
 
-    def _load(self, entry: _Entry, leaves: list[torch.Tensor]) -> None:
-        """Copy the call's tensors into the graph's input buffers (none when they are the buffers)."""
-        if entry.host_staged:  # the previous replay may still be reading a host buffer
-            torch.cuda.current_stream(self._backend.index).synchronize()
-        with torch.no_grad():
-            for buffer, t in zip(entry.buffers, leaves):
-                if t is not buffer:
-                    buffer.copy_(t)
-
-    def _deliver(self, entry: _Entry, outputs: Any) -> Any:
-        if not self._backend.static_buffers:
-            return sig.detached(outputs)
-        if self.config.outputs == "graph":
-            return outputs
-        return sig.unflatten(entry.output_spec, [t.clone() for t in entry.output_tensors])
+def choose_backend(config: Config, leaves: list[torch.Tensor], state: TrainingState, name: str) -> Backend:
+    """The backend a step runs on, from the config and where its tensors live."""
+    if config.backend == "eager":
+        return EagerBackend()
+    if config.backend == "recording":
+        return RecordingBackend()
+    devices = {t.device for t in leaves} | state.devices()
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    if len({d.index for d in cuda}) > 1:
+        raise GraphStepError(
+            f"{name}'s tensors are on several CUDA devices ({', '.join(map(str, cuda))}); one captured step "
+            "runs on one device. Use one process per GPU (DDP, FSDP) instead."
+        )
+    if cuda and torch.cuda.is_available():
+        return CudaGraphBackend(cuda[0])
+    if config.backend == "cuda":
+        raise GraphStepError(
+            f'Config(backend="cuda") but {name} has no CUDA tensors (inputs, model= or optimizer=) '
+            f"or CUDA is not available (torch.cuda.is_available() = {torch.cuda.is_available()})."
+        )
+    reason = "CUDA is not available" if not torch.cuda.is_available() else "the step's tensors are on the CPU"
+    if not devices:
+        reason = "graphstep sees no tensors (pass model=, optimizer= or tensor arguments)"
+    log.info("graphstep: %s, so %s runs eagerly (same API and checks, no graphs).", reason, name)
+    return EagerBackend()

@@ -9,6 +9,8 @@ OutputMode = Literal["clone", "graph"]
 Fallback = Literal["raise", "eager"]
 Backend = Literal["auto", "cuda", "eager", "recording"]
 Check = Literal["full", "strict", "off"]
+OptimizerMode = Literal["auto", "graph", "eager"]
+VerifyAgainst = Literal["eager", "capture"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,8 +47,16 @@ class Config:
     parameter or hyperparameter then silently differs from eager. Measured costs are in the README."""
 
     max_recaptures: int = 4
-    """Re-captures allowed per signature after a guard found changed state. Past this,
-    `on_recapture_limit` decides."""
+    """Re-captures allowed per signature after a guard found state replaced (a parameter's
+    storage moved, an object rebound). Past this, `on_recapture_limit` decides. Variants (a graph
+    per value of modes, requires_grad, module attributes, globals) do not count: `max_graphs` does."""
+
+    optimizer_mode: OptimizerMode = "auto"
+    """Where each optimizer's `step()` runs. "graph": inside the graph; a change to a hyperparameter
+    it reads as a Python number re-captures. "eager": as an eager segment between graph replays,
+    every call (a host round trip per call; any hyperparameter, any optimizer). "auto": in the
+    graph, and an optimizer moves to an eager segment, once, the first time such a hyperparameter
+    changes, or at capture if its state holds Python numbers (a custom optimizer's step counter)."""
 
     on_recapture_limit: Fallback = "raise"
     """"raise": a `StaleGraphError` naming what changed. "eager": run that signature eagerly from
@@ -56,6 +66,12 @@ class Config:
     """Every N-th replay (0: never), also run the step eagerly from a snapshot of the state and
     compare: debug mode for "is this replay really what eager does?". Costs a state copy and an
     eager step each time."""
+
+    verify_against: VerifyAgainst = "eager"
+    """What `verify_every` compares a replay with. "eager": the step run eagerly. "capture": a graph
+    captured afresh for the same call from the same state, which catches a stale baked value
+    without being fooled by libraries that take another code path while a stream captures
+    (transformers skips host-side checks and builds explicit masks then)."""
 
     verify_tolerance: float = 0.0
     """0: verification is bitwise (`torch.equal`). Otherwise the largest allowed
@@ -74,6 +90,8 @@ class Config:
         _check_choice("backend", self.backend, Backend)
         _check_choice("check", self.check, Check)
         _check_choice("on_recapture_limit", self.on_recapture_limit, Fallback)
+        _check_choice("optimizer_mode", self.optimizer_mode, OptimizerMode)
+        _check_choice("verify_against", self.verify_against, VerifyAgainst)
         for name in ("max_recaptures", "verify_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

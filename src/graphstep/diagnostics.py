@@ -27,7 +27,12 @@ class StepStats:
     warmup_calls: int = 0
     """Eager calls made to warm up (per signature, `Config.warmup_steps` each)."""
     captures: int = 0
-    """Graphs captured, re-captures included."""
+    """Graphs captured: first captures, variants and re-captures."""
+    variants: int = 0
+    """Captures of another graph for new guarded values (train/eval, frozen layers, a module
+    attribute, a global), the signature's other graphs kept."""
+    variant_switches: int = 0
+    """Replays that picked an already captured variant because guarded values changed back."""
     replays: int = 0
     """Calls served by replaying a graph (the capturing call's own replay included)."""
     eager_calls: int = 0

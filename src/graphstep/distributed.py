@@ -3,9 +3,10 @@
 A captured step holds collectives (DDP's all-reduce, FSDP2's all-gather and reduce-scatter,
 tensor parallelism's all-reduce). If one rank replayed its graph while another ran the step
 eagerly, or captured a different graph, their collectives would pair up wrongly and hang or
-mix data. So before every call each rank says how far it is (`Phase`) and whether it must
-refuse to capture, and all ranks act on the least advanced answer: one small all-reduce over
-a gloo group (on the host, so the GPU is never waited for).
+mix data. So before every call each rank says how far it is (`Phase`), and all ranks act on the least
+advanced answer: one small all-reduce over a gloo group (on the host, so the GPU is never
+waited for). After a capture, before any rank replays it, the ranks agree that every capture
+succeeded.
 
 Also here: the NCCL setting that graphs with expandable segments need, the warm-up count DDP
 needs, and closing steps before `destroy_process_group` (a live graph holding NCCL work makes
@@ -49,8 +50,6 @@ class Agreement:
     """The lowest phase of any rank: what every rank does with this call."""
     held_back_by: int | None
     """A rank whose own phase is that lowest one (for messages), None when all replay."""
-    refused_by: int | None
-    """A rank whose warm-up found host syncs: every rank refuses to capture."""
     limited_by: int | None
     """A rank whose re-capture would pass `Config.max_recaptures`: no rank captures; each runs
     this signature eagerly from then on (or raises `StaleGraphError`)."""
@@ -70,23 +69,37 @@ class Ranks:
             self.vote_group = dist.new_group(
                 dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True
             )
-        self._ballot = torch.zeros(4, dtype=torch.int64)
+        self._ballot = torch.zeros(3, dtype=torch.int64)
 
-    def agree(self, phase: Phase, refuse: bool, limited: bool) -> Agreement:
+    def agree(self, phase: Phase, limited: bool) -> Agreement:
         """Every rank calls this with its own answers; all get the same result."""
         import torch.distributed as dist
 
         mine = self.rank + 1
         # One MAX-reduction carries it all: the lowest phase as (REPLAY - phase), and a rank
-        # (rank + 1; 0 for none) holding back, one refusing, and one at its re-capture limit.
+        # (rank + 1; 0 for none) holding back, and one at its re-capture limit.
         ballot = self._ballot
         ballot[0] = Phase.REPLAY - phase
         ballot[1] = mine if phase < Phase.REPLAY else 0
-        ballot[2] = mine if refuse else 0
-        ballot[3] = mine if limited else 0
+        ballot[2] = mine if limited else 0
         dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=self.vote_group)
         lowest, *ranks = ballot.tolist()
         return Agreement(Phase(Phase.REPLAY - lowest), *(r - 1 if r else None for r in ranks))
+
+    def first_failure(self, failure: int) -> tuple[int, int] | None:
+        """After a capture, before any replay: `(rank, failure)` of the lowest rank whose capture
+        failed, or None. `failure`: 0 for success, else a small positive code of the error's kind.
+        A rank that replayed a graph while another had none would wait in a collective forever."""
+        import torch.distributed as dist
+
+        size = dist.get_world_size(self.vote_group)
+        flag = torch.tensor([(size - self.rank) * _KINDS + failure if failure else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.vote_group)
+        worst = int(flag)
+        return (size - worst // _KINDS, worst % _KINDS) if worst else None
+
+
+_KINDS = 16  # failure codes carried by `Ranks.first_failure`, below this
 
 
 def ranks_for(process_group: object | None) -> Ranks | None:

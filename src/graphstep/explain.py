@@ -51,7 +51,7 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
     if not isinstance(step, CapturedStep):
         raise TypeError(f"explain() takes a graphstep.CapturedStep; got {type(step).__qualname__}.")
     signature, leaves = sig.Signature.of(args, kwargs)
-    backend = step._backend_for(leaves)
+    backend = step._context_for(leaves).backend
     state, fn = step._state, step._fn
     hazards: list[str] = []
 

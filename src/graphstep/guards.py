@@ -157,6 +157,7 @@ class StateGuard:
         *,
         strict: bool,
         grads_before: list[tuple[torch.Tensor, torch.Tensor | None]],
+        eager_optimizers: list[torch.optim.Optimizer] = (),
     ):
         _install_registration_hooks()
         self.epoch = _structure_epoch
@@ -197,6 +198,7 @@ class StateGuard:
                 len(opt.param_groups),
             )
             for opt in state.optimizers
+            if not any(opt is e for e in eager_optimizers)  # they run eagerly: nothing baked
         ]
         self.bindings = bindings(fn)
         self.parameter_ids = [id(p) for p in state.parameters()]

@@ -1,54 +1,473 @@
-"""Closing captured steps that their user left open: at interpreter exit, and before
-`torch.distributed.destroy_process_group`. Graphs alive then can hang or crash teardown
-(NCCL waits for graphs holding its work; the allocator frees pools under them)."""
+"""The life of one input signature of a captured step: warm-up, capture, replay, and what
+happens when state the graph depends on changes.
+
+A `Lifecycle` owns one signature's static input buffers, its warm-up count and its graphs.
+Several graphs of one signature can be alive at once, one *variant* per set of guarded values
+(train or eval, which parameters are frozen, a module attribute's value, a global a helper
+reads): when a guard fails, a variant captured for the current values is replayed if there is
+one, and a new one is captured only if not. Changes that can never come back (a parameter's
+storage moved, an object rebound) *re-capture* instead: the graphs go, and the capture counts
+towards `Config.max_recaptures`. A changed hyperparameter that an optimizer bakes in moves that
+optimizer to an eager segment (see `segments.py`) once, in `optimizer_mode="auto"`.
+
+Each call goes plan (what this rank would do) -> agreement (what all ranks do, see
+`distributed.py`) -> act.
+"""
 
 from __future__ import annotations
 
-import atexit
-import weakref
-from typing import Any, Protocol
+import dataclasses
+import functools
+import itertools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
 
-from . import distributed
-from .diagnostics import log
+import torch
 
+from . import segments
+from . import signature as sig
+from .backends import Backend, CudaGraphBackend, PartsRecording, Recording
+from .config import Config
+from .diagnostics import StepStats, capture_error, is_host_sync, log, stale_message
+from .distributed import Agreement, Phase, Ranks
+from .errors import CaptureError, GraphStepError, HostSyncError, StaleGraphError
+from .guards import StateGuard
+from .optim import OptimizerAdapter
+from .profiling import ranged
+from .signature import Signature
+from .state import Snapshot, TrainingState
+from .verify import verify
 
-class _Closable(Protocol):
-    group: Any
-    """The process group the step's ranks vote in; None for a single-process step."""
-
-    def close(self) -> None: ...
-
-
-_live: weakref.WeakSet = weakref.WeakSet()
-
-
-def opened(step: _Closable) -> None:
-    _live.add(step)
-
-
-def closed(step: _Closable) -> None:
-    _live.discard(step)
-
-
-def _close_steps_on(group: Any) -> None:
-    """Before `destroy_process_group(group)`: close the steps whose graphs may hold its collectives
-    (every step, for the whole world: a step's graph can hold any group's collectives)."""
-    import torch.distributed as dist
-
-    whole_world = group is None or group is dist.group.WORLD
-    for step in list(_live):
-        if whole_world or step.group is group:
-            step.close()
+_clock = itertools.count(1)  # orders variants by last use
 
 
-@atexit.register
-def _close_all() -> None:
-    for step in list(_live):
+@dataclasses.dataclass(eq=False)
+class StepContext:
+    """What every signature of one captured step shares."""
+
+    fn: Callable
+    name: str
+    config: Config
+    state: TrainingState
+    backend: Backend
+    optim: OptimizerAdapter
+    stats: StepStats
+    generators: list[torch.Generator]
+    ranks: Ranks | None
+    warmups_needed: int
+    graphs_alive: Callable[[], int]
+    eager_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
+    """Optimizers whose `step()` runs as an eager segment between graph replays."""
+    modes_epoch: int = 0
+    """Bumped when an optimizer moves to an eager segment: graphs captured before are out of date."""
+
+    def pool_is_free(self) -> bool:
+        """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
+        return self.backend.graphs == 0
+
+    def renew_pool_if_unused(self) -> None:
+        if self.pool_is_free():
+            self.backend.renew_pool()
+
+    def move_to_eager(self, optimizers: list[torch.optim.Optimizer], why: str) -> None:
+        for opt in optimizers:
+            if not any(opt is o for o in self.eager_optimizers):
+                self.eager_optimizers.append(opt)
+                log.warning(
+                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on (%s); "
+                    "no re-capture will be needed when its hyperparameters change again.",
+                    self.name,
+                    type(opt).__qualname__,
+                    why,
+                )
+        self.modes_epoch += 1
+
+    def run_eager(self, args: tuple, kwargs: dict) -> Any:
+        self.stats.eager_calls += 1
+        return sig.detached(self.fn(*args, **kwargs))
+
+
+@dataclasses.dataclass(eq=False)
+class Variant:
+    """One captured graph of a signature, valid while its guard holds."""
+
+    recording: Recording
+    guard: StateGuard | None
+    output_spec: Any
+    output_tensors: list[torch.Tensor]
+    optimizer_layout: tuple
+    """`OptimizerAdapter.state_layout()` at capture: which parameters had which optimizer state."""
+    modes_epoch: int
+    last_used: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What this rank would do with a call, before the ranks agree."""
+
+    phase: Phase
+    kind: str
+    """"warm", "capture" (the first graph), "replay", "variant" (a graph for new guarded values,
+    the others kept), "recapture" (counted), "switch" (an optimizer moved to an eager segment),
+    "rewarm" (optimizer state of another layout: warm up once more), "stale"."""
+    changes: tuple[str, ...] = ()
+    limited: bool = False
+    """A counted re-capture would pass `Config.max_recaptures`."""
+
+
+class Lifecycle:
+    """One input signature of a captured step: its buffers, warm-ups and graph variants."""
+
+    def __init__(self, ctx: StepContext, signature: Signature):
+        self.ctx = ctx
+        self.signature = signature
+        self.warmups = 0
+        self.buffers: list[torch.Tensor] | None = None
+        self.host_staged = False
+        """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
+        self.variants: list[Variant] = []
+        self.current: Variant | None = None
+        self.recaptures = 0
+        self.stale = False
+        """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
+        self.segment_results: list = []
+        """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
+
+    # -- plan -----------------------------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        ctx = self.ctx
+        if self.stale:
+            return Plan(Phase.EAGER, "stale")
+        current = self.current
+        if current is None:
+            ready = self.warmups >= ctx.warmups_needed
+            return Plan(Phase.CAPTURE, "capture") if ready else Plan(Phase.EAGER, "warm")
+        if current.modes_epoch != ctx.modes_epoch:
+            return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
+        if current.guard is None or current.guard.holds():
+            return Plan(Phase.REPLAY, "replay")
+        changes = current.guard.changes()
+        if not changes:  # an unrelated module elsewhere in the process was re-registered
+            return Plan(Phase.REPLAY, "replay")
+        texts = tuple(getattr(c, "text", c) for c in changes)
+        for variant in self.variants:
+            if variant is not current and variant.modes_epoch == ctx.modes_epoch and variant.guard.holds():
+                self.current = variant
+                ctx.stats.variant_switches += 1
+                return Plan(Phase.REPLAY, "replay")
+        if ctx.optim.state_layout() != current.optimizer_layout:
+            # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
+            # now would record the lazy first step forever. Warm up once more first.
+            return Plan(Phase.EAGER, "rewarm", texts)
+        movable = self._optimizers_to_move(changes)
+        if movable:
+            ctx.move_to_eager(movable, "a hyperparameter it reads as a Python number changed")
+            return Plan(Phase.CAPTURE, "switch", texts)
+        if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
+            return Plan(Phase.CAPTURE, "variant", texts)
+        return Plan(Phase.CAPTURE, "recapture", texts, self.recaptures >= ctx.config.max_recaptures)
+
+    def _optimizers_to_move(self, changes: list) -> list[torch.optim.Optimizer]:
+        if self.ctx.config.optimizer_mode != "auto":
+            return []
+        found = [getattr(c, "optimizer", None) for c in changes]
+        return [opt for opt in found if opt is not None]
+
+    # -- act ------------------------------------------------------------------------------------
+
+    def act(self, plan: Plan, agreed: Agreement, leaves: list, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
+        if plan.kind == "stale":
+            return ctx.run_eager(args, kwargs)
+        if agreed.phase is Phase.REPLAY:
+            return self.replay(leaves, args, kwargs)
+        if agreed.phase is Phase.EAGER:
+            if plan.kind == "rewarm":
+                self._drop_all()
+                self.warmups = ctx.warmups_needed - 1
+            elif self.current is not None:  # another rank warms up: step eagerly with it
+                return ctx.run_eager(args, kwargs)
+            return self.warm_up(args, kwargs)
+        # Phase.CAPTURE, on some rank.
+        if agreed.limited_by is not None:  # some rank is past max_recaptures: no rank captures
+            if self.current is not None:
+                self._give_up(plan.changes or (f"rank {agreed.limited_by} is past max_recaptures",))
+            return ctx.run_eager(args, kwargs)
+        if self.current is None:
+            return self.capture(leaves, args, kwargs, replaced=[])
+        if plan.kind == "variant":
+            ctx.stats.variants += 1
+            log.info(
+                "graphstep: capturing another variant of %s for the current values of:\n%s",
+                ctx.name,
+                _listed(plan.changes),
+            )
+            return self.capture(leaves, args, kwargs, replaced=self._evict_for_room())
+        if plan.kind in ("replay", "switch", "variant"):  # not counted
+            changes = plan.changes or (f"rank {agreed.held_back_by} captures, and ranks capture together",)
+            log.info("graphstep: capturing %s again:\n%s", ctx.name, _listed(changes))
+            return self.capture(leaves, args, kwargs, replaced=self._take_all())
+        self.recaptures += 1  # a counted re-capture
+        log.warning(
+            "graphstep: re-capturing %s because state it depends on changed:\n%s",
+            ctx.name,
+            _listed(plan.changes),
+        )
+        return self.capture(leaves, args, kwargs, replaced=self._take_all())
+
+    # -- the phases -----------------------------------------------------------------------------
+
+    def warm_up(self, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
+        start = time.perf_counter()
+        with (
+            ranged("graphstep.warmup"),
+            segments.watching_warmup() as watch,
+            segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+        ):
+            outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
+        self.segment_results = watch.seen
+        self.warmups += 1
+        ctx.stats.warmup_calls += 1
+        ctx.stats.warmup_s += time.perf_counter() - start
+        return sig.detached(outputs)
+
+    def capture(self, leaves: list, args: tuple, kwargs: dict, *, replaced: list[Variant]) -> Any:
+        """Capture a graph for the current state, make it the current variant, and perform this
+        call's step. `replaced`: graphs that go once the new one exists (a pool whose last graph
+        was released cannot be captured into again)."""
+        ctx = self.ctx
+        backend = ctx.backend
+        start = time.perf_counter()
+        if backend.static_buffers:
+            args, kwargs = sig.unflatten(self.signature.spec, self.input_buffers(leaves))
+            self.load(leaves)
+        self._choose_optimizer_modes()
+        snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
+        captured: dict[str, Any] = {}
+        params = ctx.state.parameters()
+
+        def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
+            with (
+                segments.capturing(splitter, params, self.segment_results) as session,
+                segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+            ):
+                outputs = ctx.fn(*a, **k)
+                # Inside the capture, so that a refused output also undoes what the step did.
+                captured["spec"], captured["tensors"] = sig.replayable_outputs(
+                    outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
+                )
+            captured["segments"] = session.segments
+            return outputs
+
+        recording, error = None, None
         try:
-            step.close()
-        except Exception as exc:  # exit must go on
-            log.warning("graphstep: closing %r at exit failed: %s", step, exc)
+            with ranged("graphstep.capture"):
+                recording = backend.capture(body, args, kwargs, ctx.generators)
+        except BaseException as exc:
+            error = exc
+        if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
+            failed = ctx.ranks.first_failure(_failure_code(error))
+            if failed is not None and error is None:
+                recording.release()
+                rank, code = failed
+                error = (HostSyncError if code == _HOST_SYNC else CaptureError)(
+                    f"capturing {ctx.name} failed on rank {rank} (its error says why), and ranks capture "
+                    "together, so this rank dropped its graph too. Nothing was lost: the model, optimizer "
+                    "and inputs are as they were before this call."
+                )
+        if error is not None:
+            snapshot.restore()
+            for variant in replaced:
+                variant.recording.release()
+            if isinstance(error, GraphStepError) or not isinstance(error, Exception):
+                raise error
+            raise capture_error(ctx.name, error) from error
+        if isinstance(recording, PartsRecording) and captured["segments"]:
+            recording.segments = captured["segments"]
+            recording.grads_after = [(p, p.grad) for p in params]
+        recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
+        guard = None
+        if ctx.config.check != "off":
+            guard = StateGuard(
+                ctx.state,
+                ctx.fn,
+                strict=ctx.config.check == "strict",
+                grads_before=snapshot.grads,
+                eager_optimizers=ctx.eager_optimizers,
+            )
+        variant = Variant(
+            recording,
+            guard,
+            captured["spec"],
+            captured["tensors"],
+            ctx.optim.state_layout(),
+            ctx.modes_epoch,
+        )
+        self.variants.append(variant)
+        self.current = variant
+        for old in replaced:
+            old.recording.release()
+        if isinstance(backend, CudaGraphBackend):
+            torch.cuda.synchronize(backend.index)
+        ctx.stats.captures += 1
+        ctx.stats.capture_s += time.perf_counter() - start
+        if backend.static_buffers:
+            log.info("graphstep: captured %s for %s", ctx.name, self.signature.describe())
+        if backend.capture_executes:
+            variant.last_used = next(_clock)
+            return self.deliver(recording.outputs)
+        return self.replay(leaves, args, kwargs)
+
+    def replay(self, leaves: list, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
+        start = time.perf_counter()
+        variant = self.current
+        variant.last_used = next(_clock)
+        with ranged("graphstep.replay"):
+            if ctx.backend.static_buffers:
+                self.load(leaves)
+            every = ctx.config.verify_every
+            if every and (ctx.stats.replays + 1) % every == 0:
+                outputs = self._verified_replay(leaves, args, kwargs)
+            else:
+                outputs = variant.recording.replay(args, kwargs)
+            result = self.deliver(outputs)
+        ctx.stats.replays += 1
+        ctx.stats.replay_s += time.perf_counter() - start
+        return result
+
+    def _verified_replay(self, leaves: list, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
+        # The reference run reads the same static buffers the replay will.
+        inputs = sig.unflatten(self.signature.spec, self.buffers) if self.buffers else (args, kwargs)
+        if ctx.config.verify_against == "capture":
+            reference = functools.partial(self._fresh_capture_run, leaves, *inputs)
+        else:
+            reference = functools.partial(ctx.backend.warmup, ctx.fn, *inputs, in_pool=False)
+        return verify(
+            ctx.state,
+            ctx.fn,
+            ctx.backend.cuda_devices,
+            run_reference=reference,
+            replay=lambda: self.current.recording.replay(args, kwargs),
+            tolerance=ctx.config.verify_tolerance,
+        )
+
+    def _fresh_capture_run(self, leaves: list, args: tuple, kwargs: dict) -> Any:
+        """Capture this call afresh from the current state and run it once (`verify_against=
+        "capture"`): a graph that baked a stale value differs from it, while a library's
+        capture-only code path (transformers') is taken by both."""
+        stats = self.ctx.stats
+        kept_current, kept, counted = self.current, list(self.variants), dataclasses.astuple(stats)
+        try:
+            return self.capture(leaves, args, kwargs, replaced=[])
+        finally:
+            fresh = self.current
+            self.variants, self.current = kept, kept_current
+            for field, value in zip(dataclasses.fields(stats), counted):
+                setattr(stats, field.name, value)  # a check, not a step: the counters stay as they were
+            if fresh is not kept_current:
+                fresh.recording.release()
+
+    # -- buffers and outputs -------------------------------------------------------------------
+
+    def input_buffers(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.buffers is None:
+            self.buffers = [self.ctx.backend.new_buffer(t) for t in leaves]
+            for buffer, t in zip(self.buffers, leaves):
+                buffer.requires_grad_(t.requires_grad and t.is_leaf)
+            self.host_staged = any(b.is_pinned() for b in self.buffers)
+        return self.buffers
+
+    def load(self, leaves: list[torch.Tensor]) -> None:
+        """Copy the call's tensors into the graph's input buffers (none when they are the buffers)."""
+        if self.host_staged:  # the previous replay may still be reading a host buffer
+            torch.cuda.current_stream(self.ctx.backend.index).synchronize()
+        with torch.no_grad():
+            for buffer, t in zip(self.buffers, leaves):
+                if t is not buffer:
+                    buffer.copy_(t)
+
+    def deliver(self, outputs: Any) -> Any:
+        ctx = self.ctx
+        if not ctx.backend.static_buffers:
+            return sig.detached(outputs)
+        if ctx.config.outputs == "graph":
+            return outputs
+        variant = self.current
+        return sig.unflatten(variant.output_spec, [t.clone() for t in variant.output_tensors])
+
+    # -- letting graphs go ---------------------------------------------------------------------
+
+    def graphs(self) -> int:
+        return len(self.variants)
+
+    def release(self) -> None:
+        """Drop every graph of this signature now."""
+        for variant in self._take_all():
+            variant.recording.release()
+
+    def _take_all(self) -> list[Variant]:
+        taken, self.variants, self.current = self.variants, [], None
+        return taken
+
+    def _drop_all(self) -> None:
+        self.release()
+        self.ctx.renew_pool_if_unused()
+
+    def _evict_for_room(self) -> list[Variant]:
+        """A new variant needs room under `max_graphs`: the least recently used variant of this
+        signature goes (after the new one is captured)."""
+        if self.ctx.graphs_alive() < self.ctx.config.max_graphs or not self.variants:
+            return []
+        oldest = min(self.variants, key=lambda v: v.last_used)
+        self.variants.remove(oldest)
+        if self.current is oldest:
+            self.current = None
+        log.info(
+            "graphstep: %s holds max_graphs graphs: dropping its least recently used variant", self.ctx.name
+        )
+        return [oldest]
+
+    def _give_up(self, changes: tuple[str, ...]) -> None:
+        """Past `max_recaptures` on some rank: raise, or run this signature eagerly from now on."""
+        ctx = self.ctx
+        self.release()
+        message = stale_message(ctx.name, ctx.config.max_recaptures, _listed(changes))
+        if ctx.config.on_recapture_limit == "raise":
+            raise StaleGraphError(message)
+        self.stale = True
+        warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=5)
+
+    def _choose_optimizer_modes(self) -> None:
+        """Before a capture: in `optimizer_mode="auto"`, an optimizer that keeps Python numbers in
+        its state (a step counter of a custom optimizer) branches on values no graph would update:
+        its step runs as an eager segment."""
+        ctx = self.ctx
+        if ctx.config.optimizer_mode != "auto":
+            return
+        python_state = [
+            opt
+            for opt in ctx.state.optimizers
+            if not any(opt is o for o in ctx.eager_optimizers)
+            and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values())
+        ]
+        if python_state:
+            ctx.move_to_eager(python_state, "its state holds Python numbers, which a graph would freeze")
 
 
-distributed.close_before_destroy(_close_steps_on)
-distributed.set_nccl_graph_registration()
+_HOST_SYNC = 2
+
+
+def _failure_code(error: BaseException | None) -> int:
+    if error is None:
+        return 0
+    return _HOST_SYNC if isinstance(error, HostSyncError) or is_host_sync(error) else 1
+
+
+def _listed(changes: tuple[str, ...]) -> str:
+    return "\n".join(f"  - {c}" for c in changes)

@@ -15,24 +15,38 @@ capture does, and undoes the writes the step made before it failed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .backends import empty_like_strided
+from .backends import CaptureBody, PartsRecording, empty_like_strided
 from .diagnostics import host_sync_ops
+from .segments import Splitter
 from .undo import UndoLog
 
 HOST_SYNC_OPS = host_sync_ops()
 
 
 class _Recorder(UndoLog):
+    """Records operations part by part; between parts (an eager segment runs) it only keeps the
+    undo log."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+        self.parts: list[list[tuple[Any, tuple, dict, Any]]] = [[]]
+        self.paused = False
         self._aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def end_part(self) -> None:
+        self.paused = True
+
+    def begin_part(self) -> None:
+        self.parts.append([])
+        self.paused = False
 
     def alias(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -45,6 +59,9 @@ class _Recorder(UndoLog):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            self.before(func, args, kwargs)
+            return func(*args, **kwargs)
         if func in HOST_SYNC_OPS:
             raise RuntimeError(
                 f"operation not permitted when stream is capturing: {func} needs a tensor's value on "
@@ -52,41 +69,31 @@ class _Recorder(UndoLog):
             )
         self.before(func, args, kwargs)
         out = func(*args, **kwargs)
-        self.ops.append(
+        self.parts[-1].append(
             (func, tree_map(self.alias, args), tree_map(self.alias, kwargs), tree_map(self.alias, out))
         )
         return out
 
 
-class _OpRecording:
-    def __init__(self, ops: list, outputs: Any):
-        self.ops = ops
-        self.outputs = outputs
-
-    def replay(self, args: tuple, kwargs: dict) -> Any:
-        # Recorded operations sit below autograd and autocast: run them as they are.
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            for func, op_args, op_kwargs, recorded in self.ops:
-                result = func(*op_args, **op_kwargs)
-                returns = func._schema.returns
-                if not returns:
+def _replay_ops(ops: list) -> None:
+    # Recorded operations sit below autograd and autocast: run them as they are.
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        for func, op_args, op_kwargs, recorded in ops:
+            result = func(*op_args, **op_kwargs)
+            returns = func._schema.returns
+            if not returns:
+                continue
+            if len(returns) == 1:
+                recorded, result = (recorded,), (result,)
+            for ret, buffers, values in zip(returns, recorded, result):
+                if ret.alias_info is not None:
+                    continue  # a view or an input written in place: nothing new to copy
+                if isinstance(buffers, torch.Tensor):
+                    buffers, values = (buffers,), (values,)
+                elif not isinstance(buffers, (list, tuple)):
                     continue
-                if len(returns) == 1:
-                    recorded, result = (recorded,), (result,)
-                for ret, buffers, values in zip(returns, recorded, result):
-                    if ret.alias_info is not None:
-                        continue  # a view or an input written in place: nothing new to copy
-                    if isinstance(buffers, torch.Tensor):
-                        buffers, values = (buffers,), (values,)
-                    elif not isinstance(buffers, (list, tuple)):
-                        continue
-                    for buffer, value in zip(buffers, values):
-                        buffer.copy_(value)
-        return self.outputs
-
-    def release(self) -> None:
-        self.ops = []
-        self.outputs = None
+                for buffer, value in zip(buffers, values):
+                    buffer.copy_(value)
 
 
 class RecordingBackend:
@@ -102,16 +109,22 @@ class RecordingBackend:
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
 
-    def capture(self, fn: Callable, args: tuple, kwargs: dict, generators: list = ()) -> _OpRecording:
+    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> PartsRecording:
         recorder = _Recorder()
         try:
-            with recorder:
-                outputs = fn(*args, **kwargs)
+            # Libraries that take another path while a CUDA stream captures (transformers skips
+            # its host-side checks) take it here too, as they would under a real capture.
+            with recorder, _pretend_capturing():
+                outputs = body(
+                    Splitter(recorder.end_part, recorder.begin_part, executes=True), *args, **kwargs
+                )
         except BaseException:
             recorder.roll_back()
             raise
+        recording = PartsRecording([functools.partial(_replay_ops, ops) for ops in recorder.parts], _nothing)
         # The outputs share storage with the recorded buffers that replays overwrite.
-        return _OpRecording(recorder.ops, outputs)
+        recording.outputs = outputs
+        return recording
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return empty_like_strided(like)
@@ -124,3 +137,17 @@ class RecordingBackend:
 
     def close(self) -> None:
         pass
+
+
+def _nothing() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def _pretend_capturing() -> Iterator[None]:
+    original = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = original

@@ -1,6 +1,9 @@
-"""`Config(verify_every=N)`: check a replay against eager execution of the same step.
+"""`Config(verify_every=N)`: check a replay against a reference run of the same step.
 
-Every N-th replay: copy the state, run the step eagerly, keep its results, put the state back
+The reference is eager execution (`verify_against="eager"`), or a graph captured afresh for this
+very call (`"capture"`: it catches a stale baked value without being fooled by libraries that
+take another code path while a stream captures). Every N-th replay: copy the state, run the
+reference, keep its results, put the state back
 (values and Python references, RNG included), replay the graph, and compare outputs and every
 state tensor, bitwise or within `Config.verify_tolerance`. A mismatch raises a
 `VerificationError` naming the first differing tensor; the state is then the replay's.
@@ -33,18 +36,19 @@ def verify(
     state: TrainingState,
     fn: Callable,
     cuda_devices: tuple[int, ...],
-    run_eager: Callable[[], Any],
+    run_reference: Callable[[], Any],
     replay: Callable[[], Any],
     tolerance: float,
 ) -> Any:
-    """Run eager then replay from the same state; return the replay's outputs if they agree."""
+    """Run the reference (eager, or a fresh capture) then the replay from the same state; return
+    the replay's outputs if they agree."""
     named = list(named_state_tensors(state, fn))
     named += [
         (f"{n}.grad", p.grad) for n, p in named if isinstance(p, torch.nn.Parameter) and p.grad is not None
     ]
     refs = Snapshot.take(state, cuda_devices)
     before = [t.detach().clone() for _, t in named]
-    eager_out = sig.flatten(run_eager())[0]
+    eager_out = sig.flatten(run_reference())[0]
     eager_out = [t.detach().clone() for t in eager_out]
     eager_state = [t.detach().clone() for _, t in named]
     with torch.no_grad():
@@ -59,7 +63,7 @@ def verify(
         if not _close(got, want, tolerance):
             diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
             raise VerificationError(
-                f"verify_every: the replay differs from eager at {name} (max |diff| {diff}). Something the "
+                f"verify_every: the replay differs from the reference run at {name} (max |diff| {diff}). Something the "
                 "graph baked in changed without a guard noticing, or a kernel is not deterministic: turn on "
                 "torch.use_deterministic_algorithms(True), or set Config.verify_tolerance."
             )

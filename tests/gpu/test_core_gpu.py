@@ -49,7 +49,7 @@ def test_shape_change_captures_a_second_graph_in_the_same_pool():
         graphed = run(step, data)
     assert step.stats.graphs_alive == 2 and step.stats.captures == 2
     pools = {entry.recording.graph.pool() for entry in step._entries.values()}
-    assert pools == {step._backend.pool}, f"graphs in pools {pools}, step pool {step._backend.pool}"
+    assert pools == {step._ctx.backend.pool}, f"graphs in pools {pools}, step pool {step._ctx.backend.pool}"
     assert_same_losses(eager, graphed)
     assert_same_params(m_e, m_g)
     step.close()
@@ -133,7 +133,7 @@ def test_close_gives_the_pool_memory_back():
     step = graphstep.capture(fn, model=model, optimizer=opt)
     run(step, data)
     assert step.stats.graphs_alive == 1
-    held, pool = step.stats.pool_bytes, step._backend.pool
+    held, pool = step.stats.pool_bytes, step._ctx.backend.pool
     assert held > 0
     step.close()
     del step

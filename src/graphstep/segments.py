@@ -1,0 +1,241 @@
+"""Eager segments: work inside a captured step that runs eagerly between graph replays.
+
+Some work cannot live in a CUDA graph: an optimizer whose hyperparameters change but stay Python
+numbers, an optimizer graphstep cannot reason about, code that reads values on the host. A
+segment splits the step there: the capture ends one graph before the segment and begins the
+next after it, and every replay runs graph, segment, graph, ... on the caller's stream. All
+graphs of a step live in its one memory pool; tensors passed from one part to the next stay at
+the addresses they had at capture.
+
+A segment is any function called through `run` (the public face is `graphstep.eager_segment`);
+an optimizer in eager mode gets its `step` routed through it during capture. Outside a capture
+(warm-up, eager backend) `run` simply calls the function. During a capture:
+
+- the function is not run (a CUDA capture executes nothing): the segment is recorded with its
+  arguments, and its results are empty buffers shaped like the results it gave in the last
+  warm-up, which the next graph reads and every replay refills;
+- each parameter's `.grad` as the step left it at that point is remembered and attached again
+  before the segment runs at replay (a graph cannot re-run `p.grad = ...`); after the last part,
+  `.grad` is put back as the capture left it, exactly what a replay without segments leaves.
+
+Segments run under `torch.no_grad()`: their results carry no autograd history. Host syncs
+(`.item()`, `print(tensor)`) are fine in a segment. Each costs a host round trip per call: the
+Python of the segment runs on every replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import signature as sig
+from .errors import CaptureError, GraphStepError
+from .profiling import ranged
+
+_local = threading.local()
+
+
+@dataclasses.dataclass
+class Splitter:
+    """How a backend ends one part of a capture and begins the next, at an eager segment."""
+
+    end_part: Callable[[], None]
+    begin_part: Callable[[], None]
+    executes: bool
+    """The backend runs the step while capturing (recording, eager): a segment runs then too."""
+
+
+@dataclasses.dataclass(eq=False)
+class Segment:
+    """One eager segment of a captured step: what to call, and what to hand over around it."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]]
+    """Each parameter's `.grad` when the capture reached this segment."""
+    output_spec: Any
+    outputs: list[torch.Tensor]
+    """The buffers later parts read; a replay copies the segment's fresh results into them."""
+    name: str
+
+    def run(self) -> None:
+        for p, g in self.grads:
+            p.grad = g
+        with torch.no_grad(), ranged("graphstep.eager_segment"):
+            results = self.fn(*self.args, **self.kwargs)
+            tensors, spec = sig.flatten(results)
+            if spec != self.output_spec or any(
+                t.shape != b.shape or t.dtype != b.dtype for t, b in zip(tensors, self.outputs)
+            ):
+                raise GraphStepError(
+                    f"the eager segment {self.name} returned {_describe(spec, tensors)} at this replay but "
+                    f"{_describe(self.output_spec, self.outputs)} at capture; the graph after it reads "
+                    "buffers of the captured shape. Return the same structure and shapes every call "
+                    "(pad, or compute the varying part outside the captured step)."
+                )
+            for buffer, t in zip(self.outputs, tensors):
+                if t is not buffer:
+                    buffer.copy_(t)
+
+
+@dataclasses.dataclass(eq=False)
+class _Seen:
+    """A segment's results in a warm-up: the shape of the buffers a capture hands out instead."""
+
+    name: str
+    spec: Any
+    metas: list[sig.TensorMeta]
+
+
+class _Warmup:
+    """Notes each segment's results during a warm-up, in call order."""
+
+    def __init__(self) -> None:
+        self.seen: list[_Seen] = []
+
+
+class _Capture:
+    def __init__(self, splitter: Splitter, params: list[torch.Tensor], seen: list[_Seen]):
+        self.splitter = splitter
+        self.params = params
+        self.seen = iter(seen)
+        self.segments: list[Segment] = []
+
+
+def _active() -> _Warmup | _Capture | None:
+    return getattr(_local, "active", None)
+
+
+@contextlib.contextmanager
+def _activate(session: _Warmup | _Capture) -> Iterator[None]:
+    previous = _active()
+    _local.active = session
+    try:
+        yield
+    finally:
+        _local.active = previous
+
+
+@contextlib.contextmanager
+def watching_warmup() -> Iterator[_Warmup]:
+    """Around a warm-up: note what each segment returns (the next capture hands out such buffers)."""
+    session = _Warmup()
+    with _activate(session):
+        yield session
+
+
+@contextlib.contextmanager
+def capturing(splitter: Splitter, params: list[torch.Tensor], seen: list[_Seen]) -> Iterator[_Capture]:
+    """Around a capture: each segment call ends a part and begins the next. `seen`: the results
+    noted in the last warm-up; `params`: whose `.grad` a segment must find attached at replay."""
+    session = _Capture(splitter, params, seen)
+    with _activate(session):
+        yield session
+
+
+def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: bool = False) -> Any:
+    """Call `fn` as an eager segment of the step being captured (or just call it).
+
+    `returns_none`: `fn`'s result is ignored (an optimizer step), so a capture needs no warm-up's
+    notes of it: a step whose optimizer just moved to an eager segment can capture at once."""
+    session = _active()
+    if session is None:
+        return fn(*args, **kwargs)
+    if returns_none:
+        if isinstance(session, _Warmup):
+            fn(*args, **kwargs)
+        else:
+            _split(session, fn, args, kwargs, name, _Seen(name, None, []))
+        return None
+    if isinstance(session, _Warmup):
+        with torch.no_grad():
+            results = fn(*args, **kwargs)
+        tensors, spec = sig.flatten(results)
+        _check_results(name, spec)
+        session.seen.append(_Seen(name, spec, [sig.TensorMeta.of(t) for t in tensors]))
+        return sig.unflatten(spec, [t.detach() for t in tensors])
+    return _split(session, fn, args, kwargs, name, next(session.seen, None))
+
+
+def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str, seen: _Seen | None) -> Any:
+    if seen is None or seen.name != name:
+        raise CaptureError(
+            f"the capture reached the eager segment {name}, which the last warm-up "
+            + ("did not call at this point" if seen is None else f"did not call here (it called {seen.name})")
+            + ". The step must call the same eager segments in the same order every time."
+        )
+    splitter = session.splitter
+    splitter.end_part()
+    grads = [(p, p.grad) for p in session.params]
+    if splitter.executes:  # the step really runs while capturing: so does the segment
+        with torch.no_grad():
+            results = fn(*args, **kwargs)
+        tensors, spec = sig.flatten(results)
+        outputs = [t.detach() for t in tensors]
+    else:
+        spec = seen.spec
+        outputs = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in seen.metas]
+    session.segments.append(Segment(fn, args, kwargs, grads, spec, outputs, name))
+    splitter.begin_part()
+    return sig.unflatten(spec, outputs)
+
+
+def _check_results(name: str, spec: Any) -> None:
+    for path, leaf in sig.paths(spec, "result"):
+        if not sig.is_tensor_leaf(leaf) and sig.value_of(leaf) is not None:
+            value = sig.value_of(leaf)
+            raise GraphStepError(
+                f"the eager segment {name} returns a {type(value).__name__} ({value!r}) at {path}. The graph "
+                "after a segment runs no Python, so it would see this value as it was at capture. Return "
+                "tensors (or None), or use the value inside the segment."
+            )
+
+
+def _describe(spec: Any, tensors: list[torch.Tensor]) -> str:
+    return "(" + ", ".join(f"{t.dtype}{list(t.shape)}" for t in tensors) + ")" if tensors else "no tensors"
+
+
+def eager_segment(fn: Callable) -> Callable:
+    """Mark `fn` as an eager segment: called from a captured step, it runs eagerly between graphs.
+
+    Use it for work a CUDA graph cannot hold (reading a value on the host, a custom update with
+    Python logic). It returns tensors or None; its results carry no autograd history. Each call
+    costs a host round trip on every step (the graph before it is launched, `fn`'s Python runs,
+    the graph after it is launched), so keep segments few.
+    """
+    name = getattr(fn, "__qualname__", repr(fn))
+
+    @functools.wraps(fn)
+    def segment(*args: Any, **kwargs: Any) -> Any:
+        return run(fn, args, kwargs, name)
+
+    return segment
+
+
+@contextlib.contextmanager
+def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """While warming up or capturing: route each of `optimizers`' `step()` through an eager segment."""
+    for opt in optimizers:
+        step = opt.step
+        opt.step = functools.partial(_segment_step, step, f"{type(opt).__qualname__}.step")
+    try:
+        yield
+    finally:
+        for opt in optimizers:
+            opt.__dict__.pop("step", None)
+
+
+def _segment_step(step: Callable, name: str, *args: Any, **kwargs: Any) -> None:
+    if args or kwargs.get("closure") is not None:
+        raise GraphStepError(
+            f"{name} was called with a closure inside a captured step: run such an optimizer outside "
+            "the captured step."
+        )
+    run(step, (), {}, name, returns_none=True)
