@@ -7,11 +7,14 @@ from .config import Config
 from .diagnostics import StepStats
 from .errors import GraphStepError
 from .explain import Explanation, explain
+from .segments import eager_segment
 
 __all__ = [
     # the verb and its configuration
     "capture",
     "Config",
+    # work that runs eagerly between a step's graphs
+    "eager_segment",
     # the stream it captures on (construct DDP under it)
     "capture_stream",
     # what it returns
