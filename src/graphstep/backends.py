@@ -45,6 +45,8 @@ class PartsRecording:
         self._release = release
         self.outputs: Any = None
         self.segments: list[Segment] = []
+        self.cuda_graphs: list[torch.cuda.CUDAGraph] = []
+        """The graphs of the parts, for a CUDA backend (their pool can be asked for)."""
         self.grads_after: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         """Each parameter's `.grad` as the capture left it: put back after a replay with segments,
         which attach the grads they read."""
@@ -315,6 +317,7 @@ class CudaGraphBackend:
             self.graphs -= 1
 
         recording = PartsRecording([graph.replay for graph in graphs], release)
+        recording.cuda_graphs = graphs
         recording.outputs = outputs
         return recording
 

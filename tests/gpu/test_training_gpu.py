@@ -635,7 +635,13 @@ def test_no_grad_eval_step_beside_the_training_step(model):
     assert_same_losses(evals_e, evals_g)
     assert_same_model(m_e, m_g)
     assert eval_g.stats.replays >= N_STEPS // 2 - 4 and train_g.stats.captures == 1
-    pools = {e.recording.graph.pool() for step in (train_g, eval_g) for e in step._entries.values()}
+    pools = {
+        g.pool()
+        for step in (train_g, eval_g)
+        for life in step._lives.values()
+        for v in life.variants
+        for g in v.recording.cuda_graphs
+    }
     assert eval_g._ctx.backend is train_g._ctx.backend and len(pools) == 1, pools
     train_g.close()
     eval_g.close()
