@@ -39,6 +39,7 @@ from .errors import CaptureError, GraphStepError
 from .profiling import ranged
 
 _local = threading.local()
+_NONE_SPEC = sig.flatten(None)[1]
 
 
 @dataclasses.dataclass
@@ -152,7 +153,7 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: boo
         if isinstance(session, _Warmup):
             fn(*args, **kwargs)
         else:
-            _split(session, fn, args, kwargs, name, _Seen(name, None, []))
+            _split(session, fn, args, kwargs, name, _Seen(name, _NONE_SPEC, []))
         return None
     if isinstance(session, _Warmup):
         with torch.no_grad():
