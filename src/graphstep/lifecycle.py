@@ -84,6 +84,29 @@ class StepContext:
                 )
         self.modes_epoch += 1
 
+    def choose_optimizer_modes(self) -> None:
+        """Before a capture: in `optimizer_mode="auto"`, an optimizer that keeps Python numbers in
+        its state (a step counter of a custom optimizer) branches on values no graph would update:
+        its step runs as an eager segment."""
+        if self.config.optimizer_mode != "auto":
+            return
+        python_state = [
+            opt
+            for opt in self.state.optimizers
+            if not any(opt is o for o in self.eager_optimizers)
+            and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values())
+        ]
+        if python_state:
+            self.move_to_eager(python_state, "its state holds Python numbers, which a graph would freeze")
+
+    def optimizers_to_move(self, changes: list) -> list[torch.optim.Optimizer]:
+        """Optimizers whose baked hyperparameters are among `changes` and that may move to an
+        eager segment (`optimizer_mode="auto"`)."""
+        if self.config.optimizer_mode != "auto":
+            return []
+        found = [getattr(c, "optimizer", None) for c in changes]
+        return [opt for opt in found if opt is not None]
+
     def run_eager(self, args: tuple, kwargs: dict) -> Any:
         self.stats.eager_calls += 1
         return sig.detached(self.fn(*args, **kwargs))
@@ -162,19 +185,13 @@ class Lifecycle:
             # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
             # now would record the lazy first step forever. Warm up once more first.
             return Plan(Phase.EAGER, "rewarm", texts)
-        movable = self._optimizers_to_move(changes)
+        movable = ctx.optimizers_to_move(changes)
         if movable:
             ctx.move_to_eager(movable, "a hyperparameter it reads as a Python number changed")
             return Plan(Phase.CAPTURE, "switch", texts)
         if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
             return Plan(Phase.CAPTURE, "variant", texts)
         return Plan(Phase.CAPTURE, "recapture", texts, self.recaptures >= ctx.config.max_recaptures)
-
-    def _optimizers_to_move(self, changes: list) -> list[torch.optim.Optimizer]:
-        if self.ctx.config.optimizer_mode != "auto":
-            return []
-        found = [getattr(c, "optimizer", None) for c in changes]
-        return [opt for opt in found if opt is not None]
 
     # -- act ------------------------------------------------------------------------------------
 
@@ -241,85 +258,21 @@ class Lifecycle:
         was released cannot be captured into again)."""
         ctx = self.ctx
         backend = ctx.backend
-        start = time.perf_counter()
         if backend.static_buffers:
             args, kwargs = sig.unflatten(self.signature.spec, self.input_buffers(leaves))
             self.load(leaves)
-        self._choose_optimizer_modes()
-        snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
-        captured: dict[str, Any] = {}
-        params = ctx.state.parameters()
-
-        def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
-            with (
-                segments.capturing(splitter, params, self.segment_results) as session,
-                segments.optimizer_steps_as_segments(ctx.eager_optimizers),
-            ):
-                outputs = ctx.fn(*a, **k)
-                # Inside the capture, so that a refused output also undoes what the step did.
-                captured["spec"], captured["tensors"] = sig.replayable_outputs(
-                    outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
-                )
-            captured["segments"] = session.segments
-            return outputs
-
-        recording, error = None, None
         try:
-            with ranged("graphstep.capture"):
-                recording = backend.capture(body, args, kwargs, ctx.generators)
-        except BaseException as exc:
-            error = exc
-        if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
-            failed = ctx.ranks.first_failure(_failure_code(error))
-            if failed is not None and error is None:
-                recording.release()
-                rank, code = failed
-                error = (HostSyncError if code == _HOST_SYNC else CaptureError)(
-                    f"capturing {ctx.name} failed on rank {rank} (its error says why), and ranks capture "
-                    "together, so this rank dropped its graph too. Nothing was lost: the model, optimizer "
-                    "and inputs are as they were before this call."
-                )
-        if error is not None:
-            snapshot.restore()
-            for variant in replaced:
-                variant.recording.release()
-            if isinstance(error, GraphStepError) or not isinstance(error, Exception):
-                raise error
-            raise capture_error(ctx.name, error) from error
-        if isinstance(recording, PartsRecording) and captured["segments"]:
-            recording.segments = captured["segments"]
-            recording.grads_after = [(p, p.grad) for p in params]
-        recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
-        guard = None
-        if ctx.config.check != "off":
-            guard = StateGuard(
-                ctx.state,
-                ctx.fn,
-                strict=ctx.config.check == "strict",
-                grads_before=snapshot.grads,
-                eager_optimizers=ctx.eager_optimizers,
-            )
-        variant = Variant(
-            recording,
-            guard,
-            captured["spec"],
-            captured["tensors"],
-            ctx.optim.state_layout(),
-            ctx.modes_epoch,
-        )
+            variant = capture_variant(ctx, args, kwargs, self.segment_results)
+        finally:
+            for old in replaced:
+                old.recording.release()
         self.variants.append(variant)
         self.current = variant
-        for old in replaced:
-            old.recording.release()
-        if isinstance(backend, CudaGraphBackend):
-            torch.cuda.synchronize(backend.index)
-        ctx.stats.captures += 1
-        ctx.stats.capture_s += time.perf_counter() - start
         if backend.static_buffers:
             log.info("graphstep: captured %s for %s", ctx.name, self.signature.describe())
         if backend.capture_executes:
             variant.last_used = next(_clock)
-            return self.deliver(recording.outputs)
+            return self.deliver(variant.recording.outputs)
         return self.replay(leaves, args, kwargs, verify=False)
 
     def replay(self, leaves: list, args: tuple, kwargs: dict, *, verify: bool = True) -> Any:
@@ -443,21 +396,71 @@ class Lifecycle:
         self.stale = True
         warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=5)
 
-    def _choose_optimizer_modes(self) -> None:
-        """Before a capture: in `optimizer_mode="auto"`, an optimizer that keeps Python numbers in
-        its state (a step counter of a custom optimizer) branches on values no graph would update:
-        its step runs as an eager segment."""
-        ctx = self.ctx
-        if ctx.config.optimizer_mode != "auto":
-            return
-        python_state = [
-            opt
-            for opt in ctx.state.optimizers
-            if not any(opt is o for o in ctx.eager_optimizers)
-            and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values())
-        ]
-        if python_state:
-            ctx.move_to_eager(python_state, "its state holds Python numbers, which a graph would freeze")
+
+def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results: list) -> Variant:
+    """Capture the step for a call with these (static) arguments; every rank agrees it succeeded.
+    On failure the model, optimizer and RNG are put back as they were and the error raised."""
+    backend = ctx.backend
+    start = time.perf_counter()
+    ctx.choose_optimizer_modes()
+    snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
+    captured: dict[str, Any] = {}
+    params = ctx.state.parameters()
+
+    def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
+        with (
+            segments.capturing(splitter, params, segment_results) as session,
+            segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+        ):
+            outputs = ctx.fn(*a, **k)
+            # Inside the capture, so that a refused output also undoes what the step did.
+            captured["spec"], captured["tensors"] = sig.replayable_outputs(
+                outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
+            )
+        captured["segments"] = session.segments
+        return outputs
+
+    recording, error = None, None
+    try:
+        with ranged("graphstep.capture"):
+            recording = backend.capture(body, args, kwargs, ctx.generators)
+    except BaseException as exc:
+        error = exc
+    if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
+        failed = ctx.ranks.first_failure(_failure_code(error))
+        if failed is not None and error is None:
+            recording.release()
+            rank, code = failed
+            error = (HostSyncError if code == _HOST_SYNC else CaptureError)(
+                f"capturing {ctx.name} failed on rank {rank} (its error says why), and ranks capture "
+                "together, so this rank dropped its graph too. Nothing was lost: the model, optimizer "
+                "and inputs are as they were before this call."
+            )
+    if error is not None:
+        snapshot.restore()
+        if isinstance(error, GraphStepError) or not isinstance(error, Exception):
+            raise error
+        raise capture_error(ctx.name, error) from error
+    if isinstance(recording, PartsRecording) and captured["segments"]:
+        recording.segments = captured["segments"]
+        recording.grads_after = [(p, p.grad) for p in params]
+    recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
+    guard = None
+    if ctx.config.check != "off":
+        guard = StateGuard(
+            ctx.state,
+            ctx.fn,
+            strict=ctx.config.check == "strict",
+            grads_before=snapshot.grads,
+            eager_optimizers=ctx.eager_optimizers,
+        )
+    if isinstance(backend, CudaGraphBackend):
+        torch.cuda.synchronize(backend.index)
+    ctx.stats.captures += 1
+    ctx.stats.capture_s += time.perf_counter() - start
+    return Variant(
+        recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes_epoch
+    )
 
 
 _HOST_SYNC = 2
