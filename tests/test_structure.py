@@ -1,0 +1,83 @@
+"""The package's shape: no import circles between graphstep's modules, and no module past ~500 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import graphstep
+
+PACKAGE = Path(graphstep.__file__).parent
+
+
+def imports_of(path: Path) -> set[str]:
+    """graphstep modules that `path` imports, at any depth of its code (lazy imports count too)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            names = [f"{target}.{a.name}" for a in node.names] + [target]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.startswith("graphstep") and module_path(n) is not None)
+    found.discard(module)
+    return found
+
+
+def module_path(name: str) -> Path | None:
+    parts = name.split(".")[1:]
+    candidate = PACKAGE.joinpath(*parts)
+    if candidate.with_suffix(".py").exists():
+        return candidate.with_suffix(".py")
+    if (candidate / "__init__.py").exists():
+        return candidate / "__init__.py"
+    return None
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = {m.removesuffix(".__init__") for m in imports_of(path)}
+    return modules
+
+
+def test_no_import_circles_between_modules():
+    edges = graph()
+    # The package's __init__ re-exports the public surface: every module may be reached from it,
+    # and a module importing `graphstep` itself (the demo) is at the top as well.
+    edges = {m: {t for t in ts if t != "graphstep"} for m, ts in edges.items() if m != "graphstep"}
+    state: dict[str, str] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(edges.get(node, ())):
+            assert state.get(target) != "open", "import circle: " + " -> ".join([*trail, node, target])
+            if target not in state:
+                visit(target, [*trail, node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+
+
+def test_the_core_imports_one_way():
+    edges = graph()
+    order = ["capture", "lifecycle", "backends", "guards", "optim", "state", "signature", "config", "errors"]
+    for i, upper in enumerate(order):
+        for lower in order[i + 1 :]:
+            assert f"graphstep.{upper}" not in edges[f"graphstep.{lower}"], f"{lower} imports {upper}"
+
+
+def test_no_module_is_past_500_lines():
+    long = {p.name: n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules past 500 lines: {long}"
