@@ -35,6 +35,7 @@ from .distributed import Agreement, Phase, Ranks
 from .errors import ClosedError, GraphStepError, StaleGraphError, TooManyGraphsError
 from .guards import StateGuard, bindings
 from .optim import OptimizerAdapter
+from .reads import ReadWatch
 from .signature import Signature
 from .state import Snapshot, TrainingState, as_list
 from .verify import verify
@@ -296,7 +297,8 @@ class CapturedStep:
             return outputs
 
         try:
-            recording = backend.capture(checked_step, args, kwargs, self._generators)
+            with ReadWatch() as watch:
+                recording = backend.capture(checked_step, args, kwargs, self._generators)
         except BaseException as exc:
             snapshot.restore()
             if isinstance(exc, GraphStepError) or not isinstance(exc, Exception):
@@ -307,7 +309,11 @@ class CapturedStep:
         entry.optimizer_layout = self._optim.state_layout()
         if self.config.check != "off":
             entry.guard = StateGuard(
-                self._state, self._fn, strict=self.config.check == "strict", grads_before=snapshot.grads
+                self._state,
+                self._fn,
+                strict=self.config.check == "strict",
+                grads_before=snapshot.grads,
+                reads=watch.reads,
             )
         if isinstance(backend, CudaGraphBackend):
             torch.cuda.synchronize(backend.index)
