@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 TEMPERATURE = 1.0
+LOSS_WEIGHT = 1.0  # read as `helpers_reads.LOSS_WEIGHT` by the step
 SETTINGS = {"scale": 1.0}  # a dict: its contents are not guarded (explain says so)
 
 

@@ -40,7 +40,8 @@ class ReadNet(TinyNet):
 
 def make_step(model, opt):
     def step(x, y):
-        loss = LOSS(model(x), y)  # a helper in another module, with its own globals and closure
+        # A helper in another module, with its own globals and closure; and a module's attribute.
+        loss = LOSS(model(x), y) * helpers_reads.LOSS_WEIGHT
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -54,6 +55,7 @@ def make_step(model, opt):
 def restore_helpers():
     yield
     helpers_reads.TEMPERATURE = 1.0
+    helpers_reads.LOSS_WEIGHT = 1.0
     helpers_reads.CONFIG = helpers_reads.LossConfig()
     helpers_reads.SETTINGS["scale"] = 1.0
     SET_WEIGHT(1.0)
@@ -149,6 +151,14 @@ def test_helper_module_global_recaptures_and_names_its_file(caplog):
     assert twins.step.stats.captures == 3
 
 
+def test_attribute_of_a_user_module_recaptures(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        run(twins, {9: lambda _: setattr(helpers_reads, "LOSS_WEIGHT", 0.5)})
+    assert "global 'LOSS_WEIGHT' in helpers_reads.py: 1.0 -> 0.5" in caplog.text
+    assert twins.step.stats.captures == 2
+
+
 def test_helper_closure_cell_recaptures(caplog):
     twins = Twins()
     with caplog.at_level(logging.WARNING, logger="graphstep"):
@@ -187,7 +197,7 @@ def test_explain_points_out_unguarded_reads_and_the_steps_own_writes(twins):
     text = str(report)
     assert "global 'SETTINGS' in helpers_reads.py (dict): its contents are not guarded" in text, text
     assert "model.last_batch" in text and "written by the step" in text, text
-    assert "global 'TEMPERATURE' in helpers_reads.py" in text, text  # guarded, and listed
+    assert "global 'TEMPERATURE' in helpers_reads.py = 1.0" in text, text  # guarded, and listed
     assert "global 'CONFIG' in helpers_reads.py, field 'scale'" in text, text
 
 
@@ -292,6 +302,7 @@ MOVES = {
     "dropout": lambda t: t.both(lambda m, o: setattr(m.drop, "p", 0.3 if m.drop.p != 0.3 else 0.1)),
     "temperature": lambda t: t.both(lambda m, o: setattr(m, "temperature", m.temperature * 0.9)),
     "global": lambda _: setattr(helpers_reads, "TEMPERATURE", helpers_reads.TEMPERATURE * 1.1),
+    "module attribute": lambda _: setattr(helpers_reads, "LOSS_WEIGHT", 2.0 - helpers_reads.LOSS_WEIGHT),
     "cell": lambda _: SET_WEIGHT(0.5),
     "field": lambda _: setattr(helpers_reads.CONFIG, "squared", not helpers_reads.CONFIG.squared),
 }
@@ -307,6 +318,7 @@ MOVES = {
 )
 def test_random_changes_always_equal_eager(calls):
     helpers_reads.TEMPERATURE = 1.0
+    helpers_reads.LOSS_WEIGHT = 1.0
     helpers_reads.CONFIG = helpers_reads.LossConfig()
     SET_WEIGHT(1.0)
     twins = Twins(graphstep.Config(backend="recording", warmup_steps=1, max_recaptures=100))

@@ -34,7 +34,7 @@ import site
 import sys
 import sysconfig
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -83,11 +83,14 @@ class _CodeFacts:
     globals_read: tuple[str, ...]
     globals_written: frozenset[str]
     cells_written: frozenset[str]
+    module_attributes: tuple[tuple[str, str], ...]
+    """(global, attribute) for `config.TEMPERATURE`: a global followed by an attribute load."""
 
 
 @functools.lru_cache(maxsize=8192)
 def _facts(code: types.CodeType) -> _CodeFacts:
-    read, written, cells = [], set(), set()
+    read, written, cells, attributes = [], set(), set(), []
+    previous = None
     for ins in dis.get_instructions(code):
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval not in read:
             read.append(ins.argval)
@@ -95,7 +98,35 @@ def _facts(code: types.CodeType) -> _CodeFacts:
             written.add(ins.argval)
         elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in code.co_freevars:
             cells.add(ins.argval)
-    return _CodeFacts(tuple(read), frozenset(written), frozenset(cells))
+        elif (
+            ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and previous is not None
+            and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+            and (previous.argval, ins.argval) not in attributes
+        ):
+            attributes.append((previous.argval, ins.argval))
+        if ins.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL"):
+            previous = ins
+    return _CodeFacts(tuple(read), frozenset(written), frozenset(cells), tuple(attributes))
+
+
+def _user_module_namespace(value: Any) -> dict | None:
+    """The namespace of a user's Python module (a `config.py` imported as `config`), else None."""
+    if not isinstance(value, types.ModuleType):
+        return None
+    file = getattr(value, "__file__", None)
+    return vars(value) if isinstance(file, str) and is_user_file(file) else None
+
+
+def _global_locations(code: types.CodeType, namespace: dict) -> Iterator[tuple[dict, str]]:
+    """Where `code` loads globals from: its module's namespace, and user modules' attributes."""
+    facts = _facts(code)
+    for name in facts.globals_read:
+        yield namespace, name
+    for name, attribute in facts.module_attributes:
+        module_namespace = _user_module_namespace(namespace.get(name))
+        if module_namespace is not None and attribute in module_namespace:
+            yield module_namespace, attribute
 
 
 def _file_label(namespace: dict) -> str:
@@ -131,11 +162,12 @@ class Reads:
         codes = [code, *(c for c in code.co_consts if isinstance(c, types.CodeType))]
         written = set().union(*(_facts(c).globals_written for c in codes))
         for c in codes:
-            for name in _facts(c).globals_read:
-                if name in written:
-                    reads.written.append(f"global {name!r} in {_file_label(namespace)}")
-                elif name in namespace and all(name != n for _, _, n in reads.globals):
-                    reads.globals.append((f"global {name!r} in {_file_label(namespace)}", namespace, name))
+            for ns, name in _global_locations(c, namespace):
+                label = f"global {name!r} in {_file_label(ns)}"
+                if ns is namespace and name in written:
+                    reads.written.append(label)
+                elif name in ns and all(name != n or ns is not other for _, other, n in reads.globals):
+                    reads.globals.append((label, ns, name))
         cells_written = _facts(code).cells_written
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             label = f"closure variable {name!r} of {fn.__qualname__}"
@@ -213,8 +245,8 @@ class ReadWatch:
     def _first_call(self, frame: types.FrameType, code: types.CodeType) -> None:
         facts = _facts(code)
         namespace = frame.f_globals
-        for name in facts.globals_read:
-            self._namespaces.setdefault((id(namespace), name), (namespace, name))
+        for ns, name in _global_locations(code, namespace):
+            self._namespaces.setdefault((id(ns), name), (ns, name))
         self._written_globals.update((id(namespace), n) for n in facts.globals_written)
         if [n for n in code.co_freevars if n != "__class__"]:
             self._closures[code] = set()
