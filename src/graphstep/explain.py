@@ -4,7 +4,9 @@ Runs the step once eagerly as a dry run (its writes, grads, optimizer state and 
 back afterwards) and reports: which inputs are copied into static buffers and which Python
 values become part of the graph's key, which state the guards will watch, and the hazards it
 finds: host syncs (with the user's line), CPU tensors next to GPU ones, module hooks (they run
-only at capture), optimizers that are not capturable, and numbers in the key that may change.
+only at capture), optimizers that are not capturable, numbers in the key that may change,
+objects the step's code reads whose contents no guard watches (a dict or a plain object of
+settings), and Python state the step itself writes (a replay does not write it).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import dataclasses
 from typing import Any
 
 from . import signature as sig
+from .barriers import is_simple
 from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
 from .guards import bindings, named_state_tensors
+from .reads import ReadGuard, Reads, ReadWatch
 from .state import Snapshot
 from .undo import UndoLog
 
@@ -31,6 +35,8 @@ class Explanation:
     guarded: dict[str, int]
     bindings: list[str]
     hazards: list[str]
+    reads: list[str] = dataclasses.field(default_factory=list)
+    """Python values the step's code read, guarded by value or identity (`label = value`)."""
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend}", f"signature: {self.signature}"]
@@ -41,6 +47,9 @@ class Explanation:
         lines.append("guarded before each replay: " + ", ".join(f"{n} {k}" for k, n in self.guarded.items()))
         if self.bindings:
             lines.append("closure and global objects watched: " + ", ".join(self.bindings))
+        if self.reads:
+            lines.append("Python values the step's code reads, compared before each replay:")
+            lines += [f"  - {r}" for r in self.reads]
         lines.append("hazards:" if self.hazards else "hazards: none found")
         lines += [f"  - {h}" for h in self.hazards]
         return "\n".join(lines)
@@ -103,8 +112,12 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
         ):
             hazards.append(f"{kind} is not capturable: construct it with capturable=True (or fused=True).")
 
+    reads = Reads.of_function(fn)
     if backend.static_buffers:
-        hazards += [f"host sync at {site}" for site in _dry_run_syncs(step, backend, args, kwargs)]
+        syncs, reads = _dry_run(step, backend, args, kwargs)
+        hazards += [f"host sync at {site}" for site in syncs]
+    read_guard = ReadGuard(reads)
+    hazards += _read_hazards(state, reads, read_guard)
 
     named = list(named_state_tensors(state, fn))
     guarded = {
@@ -112,8 +125,12 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
             1 for n, _ in named if n.startswith(tuple(p for p, _ in state.named_modules_roots()))
         ),
         "optimizer state tensors": sum(1 for n, _ in named if ".state[" in n),
-        "modules (train/eval)": sum(1 for _, r in state.named_modules_roots() for _ in r.modules()),
+        "modules (train/eval, Python attributes)": sum(
+            1 for _, r in state.named_modules_roots() for _ in r.modules()
+        ),
+        "parameters (requires_grad)": len(state.parameters()),
         "optimizers (param groups, hyperparameters)": len(state.optimizers),
+        "globals and closure variables the step's code reads": len(read_guard.objects()),
     }
     return Explanation(
         backend=backend.name,
@@ -123,17 +140,47 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
         guarded=guarded,
         bindings=[label for label, _, _ in bindings(fn)],
         hazards=hazards,
+        reads=[f"{label} = {value!r}" for label, value in read_guard.objects() if is_simple(value)]
+        + [f"{label}, field {name!r} = {value!r}" for label, _, name, value in read_guard.fields],
     )
 
 
-def _dry_run_syncs(step: CapturedStep, backend: Any, args: tuple, kwargs: dict) -> list[str]:
-    """Run the step once eagerly, note its host syncs, and take everything it did back."""
+def _read_hazards(state: Any, reads: Reads, guard: ReadGuard) -> list[str]:
+    hazards = []
+    if not reads.complete:
+        hazards.append(
+            "another profiler was active, so the globals read by the step's helpers could not be watched; "
+            "only the step function's own are guarded"
+        )
+    hazards += [
+        f"{what}, read by the step: a change to them is not seen. Keep such numbers in module "
+        "attributes, dataclass fields or globals of their own, or pass them as tensors"
+        for what in guard.unguarded
+    ]
+    names = {id(m): n for prefix, root in state.named_modules_roots() for n, m in _named(prefix, root)}
+    written = [f"{names[i]}.{attr}" for i, attr in sorted(reads.module_writes, key=str) if i in names]
+    written += reads.written
+    hazards += [
+        f"{what} is written by the step: a replay runs no Python, so it keeps the value of the capture "
+        "(and a change to it between calls is not guarded). Return such values from the step instead"
+        for what in written
+    ]
+    return hazards
+
+
+def _named(prefix: str, root: Any) -> list[tuple[str, Any]]:
+    return [((f"{prefix}.{name}" if name else prefix), m) for name, m in root.named_modules()]
+
+
+def _dry_run(step: CapturedStep, backend: Any, args: tuple, kwargs: dict) -> tuple[list[str], Reads]:
+    """Run the step once eagerly, note its host syncs and what its Python reads, and take
+    everything it did to tensors back."""
     refs = Snapshot.take(step._state, backend.cuda_devices)
     undo = UndoLog()
     try:
-        with HostSyncWatch(cuda=backend.name == "cuda") as watch, undo:
+        with HostSyncWatch(cuda=backend.name == "cuda") as watch, ReadWatch() as reads, undo:
             step._fn(*args, **kwargs)
     finally:
         undo.roll_back()
         refs.restore()
-    return watch.sites
+    return watch.sites, reads.reads

@@ -5,17 +5,23 @@ captured, everything the replay silently depends on, and before every replay che
 holds:
 
 - every state tensor (parameters, buffers, optimizer state, tensors the step reaches through
-  its closure or globals) still has the same storage, shape, dtype and stride;
+  the globals and closures of the code it ran) still has the same storage, shape, dtype and
+  stride;
+- every parameter's `requires_grad` is what it was (freezing and unfreezing layers);
 - every `.grad` that outlives the step is still the same tensor (not replaced, not None);
-- every module is in the mode (train/eval) it was captured in;
+- every module is in the mode (train/eval) it was captured in, and its Python attributes
+  (`Dropout.p`, a temperature field, a flag; see `barriers.py`) hold the same values;
 - optimizer param groups hold the same parameters and the same Python hyperparameters
   (a float lr, betas, eps, weight_decay, momentum, ...);
-- closure cells and globals the step reads still hold the same objects;
+- globals and closure cells read by the user functions the step ran hold the same objects, and
+  the same values where they are Python numbers, strings, tuples of those (see `reads.py`);
 - no module had a parameter, buffer or submodule re-registered (`load_state_dict(assign=True)`,
   `model.fc = nn.Linear(...)`): a global registration hook bumps an epoch counter.
 
-The common case costs one pass in C++ over the tensors' data pointers (on CUDA builds) plus
-a few attribute reads; names and reasons are only worked out once something changed.
+Cost per replay: module modes and attributes through a write barrier (free unless a watched
+module was written), one pass each over the tensors' data pointers and over the parameters'
+`requires_grad`, and a few reads per optimizer group and per global the step read. Names and
+reasons are only worked out once something changed (`changes()`, a list of `Change`).
 Strong references are held, so memory a graph uses can never be freed under it.
 """
 
@@ -24,48 +30,37 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import barriers
+from .reads import ReadGuard, Reads
 from .state import TrainingState, follow, storage_paths
 
-_epoch = itertools.count()
-_structure_epoch = 0
-_hooks_installed = False
 
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One reason a guard fails, as a user reads it (`str(change)`) and as the lifecycle acts on it."""
 
-def _bump_structure_epoch(*_: Any) -> None:
-    global _structure_epoch
-    _structure_epoch = next(_epoch)
+    text: str
+    variant: bool = False
+    """True for a value that can come back and for which a graph captured separately is valid:
+    a module's mode, a `requires_grad`, a module attribute, an optimizer hyperparameter baked into
+    the graph, a Python value of a global or closure. False for identity changes: storage moved, a
+    grad replaced, an object rebound, param groups replaced, a (re-)registration."""
+    optimizer: torch.optim.Optimizer | None = None
+    """The optimizer whose param-group hyperparameters changed (it could run eagerly instead)."""
 
-
-def _install_registration_hooks() -> None:
-    """Count every parameter, buffer and submodule (re-)registration in the process.
-
-    Installed when the first guard is made, never at import.
-    """
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    from torch.nn.modules import module
-
-    for name in (
-        "register_module_parameter_registration_hook",
-        "register_module_buffer_registration_hook",
-        "register_module_module_registration_hook",
-    ):
-        register = getattr(module, name, None)
-        if register is not None:
-            register(_bump_structure_epoch)  # returns None: the registration goes ahead unchanged
-    _hooks_installed = True
+    def __str__(self) -> str:
+        return self.text
 
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")
-_get_training = operator.attrgetter("training")
+_get_requires_grad = operator.attrgetter("requires_grad")
 _ptrs_equal_in_cpp = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
@@ -92,9 +87,17 @@ def _meta(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def _holds_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+    )
+
+
 def hyperparameters(group: dict) -> dict[str, Any]:
-    """The Python values of a param group that a graph bakes in (tensors are read live)."""
-    return {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
+    """The Python values of a param group that a graph bakes in. Tensors, and tuples or lists
+    holding tensors (Adam's betas as device scalars), are read live: comparing them would make
+    the host wait for the device."""
+    return {k: v for k, v in group.items() if k != "params" and not _holds_tensor(v)}
 
 
 def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[str, torch.Tensor]]:
@@ -117,6 +120,10 @@ def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[st
             for key, value in group.items():
                 if isinstance(value, torch.Tensor):
                     yield f"{label}.param_groups[{gi}].{key}", value
+                elif isinstance(value, (tuple, list)) and key != "params":
+                    for j, v in enumerate(value):
+                        if isinstance(v, torch.Tensor):
+                            yield f"{label}.param_groups[{gi}].{key}[{j}]", v
     for label, _, value in bindings(fn):
         if isinstance(value, torch.Tensor):
             yield label, value
@@ -147,8 +154,22 @@ def bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
     return found
 
 
+def _labelled_parameters(state: TrainingState, extra: list[tuple[str, nn.Module]]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for prefix, root in state.named_modules_roots() + extra:
+        for name, p in root.named_parameters():
+            names.setdefault(id(p), f"{prefix}.{name}")
+    return names
+
+
 class StateGuard:
-    """What one captured graph depends on, and the check that it still holds."""
+    """What one captured graph depends on, and the check that it still holds.
+
+    `reads`: what the step's Python read, from a `ReadWatch` around a run of the step (default:
+    the step function's own globals and closure, from its bytecode). `eager_optimizers`:
+    optimizers that run eagerly between graph replays; their hyperparameters and state are not
+    the graph's business.
+    """
 
     def __init__(
         self,
@@ -157,15 +178,35 @@ class StateGuard:
         *,
         strict: bool,
         grads_before: list[tuple[torch.Tensor, torch.Tensor | None]],
-        eager_optimizers: list[torch.optim.Optimizer] = (),
+        reads: Reads | None = None,
+        eager_optimizers: Collection[torch.optim.Optimizer] = (),
     ):
-        _install_registration_hooks()
-        self.epoch = _structure_epoch
+        barriers.install()
+        self.epoch = barriers.structure_epoch
         self.strict = strict
+        if reads is None or not reads.complete:
+            reads = Reads.of_function(fn)
+        self.reads = ReadGuard(reads)
+        graph_state = dataclasses.replace(
+            state, optimizers=[o for o in state.optimizers if not any(o is e for e in eager_optimizers)]
+        )
+        known = {id(m) for root in state.modules for m in root.modules()}
+        extra = [
+            (label, v) for label, v in self.reads.objects() if isinstance(v, nn.Module) and id(v) not in known
+        ]
+        named = list(named_state_tensors(graph_state, fn))
+        named += [
+            (f"{label}.{n}", t)
+            for label, m in extra
+            for n, t in itertools.chain(m.named_parameters(), m.named_buffers())
+        ]
+        named += [(label, v) for label, v in self.reads.objects() if isinstance(v, torch.Tensor)]
+        seen: set[int] = set()
+        named = [
+            (n, t) for n, t in named if isinstance(t, torch.Tensor) and not (id(t) in seen or seen.add(id(t)))
+        ]
         self.tracked = [
-            _Tracked(n, t, path, _meta(follow(t, path)))
-            for n, t in named_state_tensors(state, fn)
-            for path in storage_paths(t)
+            _Tracked(n, t, path, _meta(follow(t, path))) for n, t in named for path in storage_paths(t)
         ]
         # Optimizer state is replaced wholesale (load_state_dict swaps `optimizer.state`, an O(1)
         # check); its thousands of tensors get a pointer check of their own only when strict.
@@ -177,18 +218,27 @@ class StateGuard:
         self.ptrs = [t.meta[0] for t in checked]
         self.metas = [t.meta for t in checked]
         self.indices = list(range(len(checked)))
-        self.param_names = {id(t.tensor): t.name for t in self.tracked}
+        self.param_names = _labelled_parameters(state, extra)
+        self.param_names.update(
+            (id(t.tensor), t.name) for t in self.tracked if id(t.tensor) not in self.param_names
+        )
         # A graph reads a parameter's grad only if the grad existed before the step and the step
         # accumulated into it (still the same tensor after). If the grad did not exist, the graph
         # writes a fresh one: replaying it is right only while the grad is None before the call.
-        reads = [(p, g) for p, g in grads_before if g is not None and p.grad is g]
-        self.grad_params = [p for p, _ in reads]
-        self.grads = [g for _, g in reads]
+        grad_reads = [(p, g) for p, g in grads_before if g is not None and p.grad is g]
+        self.grad_params = [p for p, _ in grad_reads]
+        self.grads = [g for _, g in grad_reads]
         self.fresh_grad_params = [p for p, g in grads_before if g is None and p.grad is not None]
-        named_modules = [nm for prefix, root in state.named_modules_roots() for nm in _named(prefix, root)]
-        self.module_names = [n for n, _ in named_modules]
-        self.modules = [m for _, m in named_modules]
-        self.training = list(map(_get_training, self.modules))
+        parameters = state.parameters()
+        parameters += [p for _, m in extra for p in m.parameters() if not any(p is q for q in parameters)]
+        self.requires_grad = [p for p in parameters if p.requires_grad]
+        self.frozen = [p for p in parameters if not p.requires_grad]
+        roots = state.named_modules_roots() + extra
+        self.modules = barriers.ModuleWatch(
+            [nm for prefix, root in roots for nm in _named(prefix, root)],
+            scan=strict,
+            skip=reads.module_writes,
+        )
         self.optimizers = [
             (
                 opt,
@@ -197,10 +247,8 @@ class StateGuard:
                 [(g, g["params"], len(g["params"]), hyperparameters(g)) for g in opt.param_groups],
                 len(opt.param_groups),
             )
-            for opt in state.optimizers
-            if not any(opt is e for e in eager_optimizers)  # they run eagerly: nothing baked
+            for opt in graph_state.optimizers
         ]
-        self.bindings = bindings(fn)
         self.parameter_ids = [id(p) for p in state.parameters()]
         self.state = state
 
@@ -209,21 +257,9 @@ class StateGuard:
     def holds(self) -> bool:
         """True when a replay would do what eager would. Cheap; no messages. Grads the user set to
         None between calls are re-attached (zeroed) here rather than reported."""
-        if self.epoch != _structure_epoch:
+        if self.epoch != barriers.structure_epoch:
             return False
-        tensors = (
-            self.tensors + [follow(t, path) for t, path in self.wrapped] if self.wrapped else self.tensors
-        )
-        if tensors and not _same_data_ptrs(tensors, self.ptrs, self.indices):
-            return False
-        if self.strict and [_meta(t) for t in tensors] != self.metas:
-            return False
-        grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
-        if not grads_kept and not self._restore_cleared_grads():
-            return False
-        if self.fresh_grad_params and any(g is not None for g in map(_get_grad, self.fresh_grad_params)):
-            return False
-        if list(map(_get_training, self.modules)) != self.training:
+        if not self.modules.holds() or not self.reads.holds():
             return False
         for opt, state, groups_list, groups, n_groups in self.optimizers:
             if opt.state is not state or opt.param_groups is not groups_list or len(groups_list) != n_groups:
@@ -235,7 +271,19 @@ class StateGuard:
                     or hyperparameters(group) != hyper
                 ):
                     return False
-        return all(read() is value for _, read, value in self.bindings)
+        grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
+        if not grads_kept and not self._restore_cleared_grads():
+            return False
+        if self.fresh_grad_params and any(g is not None for g in map(_get_grad, self.fresh_grad_params)):
+            return False
+        if not all(map(_get_requires_grad, self.requires_grad)) or any(map(_get_requires_grad, self.frozen)):
+            return False
+        tensors = (
+            self.tensors + [follow(t, path) for t, path in self.wrapped] if self.wrapped else self.tensors
+        )
+        if tensors and not _same_data_ptrs(tensors, self.ptrs, self.indices):
+            return False
+        return not self.strict or [_meta(t) for t in tensors] == self.metas
 
     def _restore_cleared_grads(self) -> bool:
         """Grads set to None between calls (`zero_grad()` outside the step): eager would start
@@ -255,66 +303,89 @@ class StateGuard:
 
     # -- the slow path: what changed, by name ------------------------------------------------
 
-    def changes(self) -> list[str]:
-        """Human-readable reasons the guard fails, by qualified name."""
-        found: list[str] = []
+    def changes(self) -> list[Change]:
+        """Why the guard fails, by qualified name; empty when nothing this graph depends on changed."""
+        found = self._tensor_changes()
+        requiring = {id(p) for p in self.requires_grad}
+        for p in self.requires_grad + self.frozen:
+            was = id(p) in requiring
+            if p.requires_grad != was:
+                name = self.param_names.get(id(p), "a parameter")
+                found.append(Change(f"{name}: requires_grad {was} -> {p.requires_grad}", variant=True))
+        found += [Change(text, variant) for text, variant in self.modules.changes()]
+        found += self._optimizer_changes()
+        found += [Change(text, variant) for text, variant in self.reads.changes()]
+        if self.epoch != barriers.structure_epoch:
+            if [id(p) for p in self.state.parameters()] != self.parameter_ids:
+                found.append(
+                    Change(
+                        "a module's parameters were replaced or re-registered (setattr, load_state_dict(assign=True))"
+                    )
+                )
+            elif not found:
+                # Something was registered somewhere in the process, but not in this step's modules.
+                self.epoch = barriers.structure_epoch
+        return found
+
+    def _tensor_changes(self) -> list[Change]:
+        found = []
         for item in self.tracked:
             t = item.storage()
             ptr, shape, stride, dtype = item.meta
             if t.data_ptr() != ptr:
                 found.append(
-                    f"{item.name}: storage moved (param.data reassigned, or load_state_dict replaced it)"
+                    Change(
+                        f"{item.name}: storage moved (param.data reassigned, or load_state_dict replaced it)"
+                    )
                 )
             elif (tuple(t.shape), t.stride(), t.dtype) != (shape, stride, dtype):
                 found.append(
-                    f"{item.name}: shape/stride/dtype changed from {list(shape)} {dtype} to {list(t.shape)} {t.dtype}"
+                    Change(
+                        f"{item.name}: shape/stride/dtype changed from {list(shape)} {dtype} to {list(t.shape)} {t.dtype}"
+                    )
                 )
         for p, grad in zip(self.grad_params, self.grads):
             if p.grad is not None and p.grad is not grad:
                 found.append(
-                    f"{self.param_names.get(id(p), 'a parameter')}.grad: replaced by another tensor (the graph accumulates into the old one)"
+                    Change(
+                        f"{self.param_names.get(id(p), 'a parameter')}.grad: replaced by another tensor (the graph "
+                        "accumulates into the old one)"
+                    )
                 )
         for p in self.fresh_grad_params:
             if p.grad is not None:
                 found.append(
-                    f"{self.param_names.get(id(p), 'a parameter')}.grad: exists now, but the graph was captured "
-                    "without one and would overwrite it instead of accumulating"
+                    Change(
+                        f"{self.param_names.get(id(p), 'a parameter')}.grad: exists now, but the graph was captured "
+                        "without one and would overwrite it instead of accumulating"
+                    )
                 )
-        for name, m, was in zip(self.module_names, self.modules, self.training):
-            if m.training != was:
-                found.append(
-                    f"{name}: switched to {'train' if m.training else 'eval'} mode (captured in {'train' if was else 'eval'})"
-                )
-        for i, (opt, state, groups_list, groups, n_groups) in enumerate(self.optimizers):
-            label = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{i}]"
+        return found
+
+    def _optimizer_changes(self) -> list[Change]:
+        found = []
+        for opt, state, groups_list, groups, n_groups in self.optimizers:
+            label = "optimizer" if len(self.state.optimizers) == 1 else f"optimizer[{self._index(opt)}]"
             if opt.state is not state:
-                found.append(f"{label}.state: replaced (optimizer.load_state_dict?)")
+                found.append(Change(f"{label}.state: replaced (optimizer.load_state_dict?)"))
             if opt.param_groups is not groups_list or len(opt.param_groups) != n_groups:
-                found.append(f"{label}.param_groups: groups added or replaced")
+                found.append(Change(f"{label}.param_groups: groups added or replaced"))
                 continue
             for gi, (group, params, n_params, hyper) in enumerate(groups):
                 if group["params"] is not params or len(params) != n_params:
-                    found.append(f"{label}.param_groups[{gi}]: parameters added or removed")
+                    found.append(Change(f"{label}.param_groups[{gi}]: parameters added or removed"))
                 now = hyperparameters(group)
                 for key in sorted(set(now) | set(hyper)):
                     if now.get(key) != hyper.get(key):
-                        found.append(
+                        text = (
                             f"{label}.param_groups[{gi}]['{key}']: {hyper.get(key)!r} -> {now.get(key)!r} "
                             "(a Python number is baked into the graph)"
                         )
-        for label, read, value in self.bindings:
-            if read() is not value:
-                found.append(f"{label}: now refers to another object")
-        if self.epoch != _structure_epoch:
-            now_ids = [id(p) for p in self.state.parameters()]
-            if now_ids != self.parameter_ids:
-                found.append(
-                    "a module's parameters were replaced or re-registered (setattr, load_state_dict(assign=True))"
-                )
-        if not found and self.epoch != _structure_epoch:
-            # Something was registered somewhere in the process, but not in this step's modules.
-            self.epoch = _structure_epoch
+                        found.append(Change(text, variant=True, optimizer=opt))
         return found
+
+    def _index(self, opt: torch.optim.Optimizer) -> int:
+        return next(i for i, o in enumerate(self.state.optimizers) if o is opt)
 
 
 def _named(prefix: str, root: nn.Module) -> Iterator[tuple[str, nn.Module]]:

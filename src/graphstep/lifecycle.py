@@ -36,6 +36,7 @@ from .errors import CaptureError, GraphStepError, HostSyncError, StaleGraphError
 from .guards import StateGuard
 from .optim import OptimizerAdapter
 from .profiling import ranged
+from .reads import ReadWatch
 from .signature import Signature
 from .state import Snapshot, TrainingState
 from .verify import verify
@@ -76,8 +77,8 @@ class StepContext:
             if not any(opt is o for o in self.eager_optimizers):
                 self.eager_optimizers.append(opt)
                 log.warning(
-                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on (%s); "
-                    "no re-capture will be needed when its hyperparameters change again.",
+                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on; no re-capture "
+                    "will be needed when its hyperparameters change again. Why: %s",
                     self.name,
                     type(opt).__qualname__,
                     why,
@@ -187,7 +188,7 @@ class Lifecycle:
             return Plan(Phase.EAGER, "rewarm", texts)
         movable = ctx.optimizers_to_move(changes)
         if movable:
-            ctx.move_to_eager(movable, "a hyperparameter it reads as a Python number changed")
+            ctx.move_to_eager(movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts))
             return Plan(Phase.CAPTURE, "switch", texts)
         if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
             return Plan(Phase.CAPTURE, "variant", texts)
@@ -422,7 +423,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
 
     recording, error = None, None
     try:
-        with ranged("graphstep.capture"):
+        with ranged("graphstep.capture"), ReadWatch() as watch:  # what the step's Python reads
             recording = backend.capture(body, args, kwargs, ctx.generators)
     except BaseException as exc:
         error = exc
@@ -452,6 +453,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             ctx.fn,
             strict=ctx.config.check == "strict",
             grads_before=snapshot.grads,
+            reads=watch.reads,
             eager_optimizers=ctx.eager_optimizers,
         )
     if isinstance(backend, CudaGraphBackend):

@@ -1,0 +1,43 @@
+"""A stand-in for a user's helper module: a loss whose numbers live outside the step function.
+
+The step in tests/test_guards_reads.py calls these; their globals and closure cells are not the
+step's own, so only watching what the step's Python reads can guard them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+TEMPERATURE = 1.0
+LOSS_WEIGHT = 1.0  # read as `helpers_reads.LOSS_WEIGHT` by the step
+SETTINGS = {"scale": 1.0}  # a dict: its contents are not guarded (explain says so)
+
+
+@dataclasses.dataclass
+class LossConfig:
+    scale: float = 1.0
+    squared: bool = True
+
+
+CONFIG = LossConfig()
+
+
+def tempered(out: torch.Tensor) -> torch.Tensor:  # out: (B, 1)
+    return out / TEMPERATURE
+
+
+def make_weighted_loss(weight: float):
+    """A loss with its weight in a closure cell, and a setter that changes the cell."""
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        err = tempered(out) - y
+        err = err.square() if CONFIG.squared else err.abs()
+        return err.mean() * weight * CONFIG.scale
+
+    def set_weight(value: float) -> None:
+        nonlocal weight
+        weight = value
+
+    return loss, set_weight

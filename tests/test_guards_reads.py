@@ -1,0 +1,329 @@
+"""Guards over what a step's Python reads: requires_grad, module attributes, and the globals and
+closure cells of helper functions the step calls. Each test runs 30 steps on the recording backend
+(which bakes Python numbers in, as a CUDA graph does) next to an eager twin, compares them with
+torch.equal after every step, and would fail without its guard."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import graphstep
+import helpers_reads
+from cpu_common import TinyNet, batches, same_params
+from graphstep.guards import Change, StateGuard, hyperparameters
+from graphstep.reads import Reads, ReadWatch
+from graphstep.state import TrainingState
+
+RECORDING = graphstep.Config(backend="recording", warmup_steps=2, max_recaptures=100)
+LOSS, SET_WEIGHT = helpers_reads.make_weighted_loss(1.0)
+
+
+class ReadNet(TinyNet):
+    """TinyNet with a Python float its forward reads, and a counter its forward writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 8)
+        self.calls += 1  # written by the step itself: never a reason to re-capture
+        return super().forward(x) / self.temperature
+
+
+def make_step(model, opt):
+    def step(x, y):
+        # A helper in another module, with its own globals and closure; and a module's attribute.
+        loss = LOSS(model(x), y) * helpers_reads.LOSS_WEIGHT
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.fixture(autouse=True)
+def restore_helpers():
+    yield
+    helpers_reads.TEMPERATURE = 1.0
+    helpers_reads.LOSS_WEIGHT = 1.0
+    helpers_reads.CONFIG = helpers_reads.LossConfig()
+    helpers_reads.SETTINGS["scale"] = 1.0
+    SET_WEIGHT(1.0)
+
+
+class Twins:
+    """An eager run and a graphstep run of the same step, changed the same way."""
+
+    def __init__(self, config=RECORDING):
+        torch.manual_seed(0)
+        self.model = ReadNet()
+        self.twin = copy.deepcopy(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.twin_opt = torch.optim.SGD(self.twin.parameters(), lr=0.05, momentum=0.9)
+        self.eager = make_step(self.model, self.opt)
+        self.step = graphstep.capture(
+            make_step(self.twin, self.twin_opt), model=self.twin, optimizer=self.twin_opt, config=config
+        )
+
+    def both(self, change):
+        change(self.model, self.opt)
+        change(self.twin, self.twin_opt)
+
+    def call(self, x, y, seed):
+        torch.manual_seed(seed)
+        expected = self.eager(x, y)
+        torch.manual_seed(seed)
+        got = self.step(x, y)
+        assert torch.equal(expected, got), f"step {seed}: loss {got.item()} != eager {expected.item()}"
+        assert same_params(self.model, self.twin), f"step {seed}: parameters differ from eager"
+
+
+def run(twins: Twins, changes: dict, steps: int = 30):
+    """`changes`: {step index: function(twins)} applied before that step."""
+    for i, (x, y) in enumerate(batches(steps)):
+        if i in changes:
+            changes[i](twins)
+        twins.call(x, y, seed=i)
+
+
+def freeze(flag):
+    def change(twins):
+        twins.both(lambda m, o: m.fc1.requires_grad_(flag))
+
+    return change
+
+
+def test_freezing_and_unfreezing_a_layer_captures_a_variant_and_names_the_parameter(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {10: freeze(False), 20: freeze(True)})
+    assert "model.fc1.weight: requires_grad True -> False" in caplog.text
+    stats = twins.step.stats  # unfreezing goes back to the first graph
+    assert (stats.captures, stats.variants, stats.variant_switches) == (2, 1, 1)
+
+
+def test_dropout_p_changed_recaptures_and_names_it(caplog):
+    twins = Twins()
+
+    def set_p(p):
+        return lambda t: t.both(lambda m, o: setattr(m.drop, "p", p))
+
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {8: set_p(0.0), 16: set_p(0.5), 24: set_p(0.5)})
+    assert "model.drop.p: 0.1 -> 0.0" in caplog.text
+    assert "model.drop.p: 0.0 -> 0.5" in caplog.text
+    assert twins.step.stats.captures == 3  # writing the same value again is no change
+
+
+def test_model_float_attribute_read_in_forward_recaptures(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {12: lambda t: t.both(lambda m, o: setattr(m, "temperature", 0.5))})
+    assert "model.temperature: 1.0 -> 0.5" in caplog.text
+    assert twins.step.stats.captures == 2
+    # The counter the forward writes is the step's own business, not a change between calls.
+    assert "calls" not in caplog.text
+
+
+def test_helper_module_global_recaptures_and_names_its_file(caplog):
+    twins = Twins()
+
+    def set_temperature(value):
+        def change(_):
+            helpers_reads.TEMPERATURE = value
+
+        return change
+
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {7: set_temperature(0.5), 19: set_temperature(2)})
+    assert "global 'TEMPERATURE' in helpers_reads.py: 1.0 -> 0.5" in caplog.text
+    assert "global 'TEMPERATURE' in helpers_reads.py: 0.5 -> 2" in caplog.text  # int now: another type
+    assert twins.step.stats.captures == 3
+
+
+def test_attribute_of_a_user_module_recaptures(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {9: lambda _: setattr(helpers_reads, "LOSS_WEIGHT", 0.5)})
+    assert "global 'LOSS_WEIGHT' in helpers_reads.py: 1.0 -> 0.5" in caplog.text
+    assert twins.step.stats.captures == 2
+
+
+def test_helper_closure_cell_recaptures(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {11: lambda _: SET_WEIGHT(3.0)})
+    assert "closure variable 'weight' of make_weighted_loss.<locals>.loss: 1.0 -> 3.0" in caplog.text
+    assert twins.step.stats.captures == 2
+
+
+def test_dataclass_config_field_recaptures(caplog):
+    twins = Twins()
+
+    def change(_):
+        helpers_reads.CONFIG.scale = 0.25
+        helpers_reads.CONFIG.squared = False
+
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {13: change, 21: lambda _: setattr(helpers_reads, "CONFIG", helpers_reads.LossConfig())})
+    assert "global 'CONFIG' in helpers_reads.py, field 'scale': 1.0 -> 0.25" in caplog.text
+    assert "global 'CONFIG' in helpers_reads.py: now refers to another object" in caplog.text
+    assert twins.step.stats.captures == 3
+
+
+def test_explain_points_out_unguarded_reads_and_the_steps_own_writes(twins):
+    (_, _), (model, opt) = twins
+
+    def step(x, y):
+        model.last_batch = x.shape[0]  # a Python write a replay does not repeat
+        loss = LOSS(model(x), y) * helpers_reads.SETTINGS["scale"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=RECORDING)
+    report = graphstep.explain(captured, *batches(1)[0])
+    text = str(report)
+    assert "global 'SETTINGS' in helpers_reads.py (dict): its contents are not guarded" in text, text
+    assert "model.last_batch" in text and "written by the step" in text, text
+    assert "global 'TEMPERATURE' in helpers_reads.py = 1.0" in text, text  # guarded, and listed
+    assert "global 'CONFIG' in helpers_reads.py, field 'scale'" in text, text
+
+
+def test_forward_written_attributes_do_not_ping_pong_between_signatures():
+    """Each signature's capture leaves `calls` and `last` at its own value; neither graph may
+    take that as a change made between calls."""
+
+    class Writer(TinyNet):
+        def forward(self, x):
+            self.last = x.shape[0]
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Writer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = graphstep.capture(make_step(model, opt), model=model, optimizer=opt, config=RECORDING)
+    for i in range(30):
+        x, y = batches(1, batch_size=2 + 2 * (i % 2), seed=i)[0]
+        step(x, y)
+    assert step.stats.captures == 2
+
+
+def test_changes_are_structured():
+    torch.manual_seed(0)
+    model = ReadNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = make_step(model, opt)
+    state = TrainingState([model], [opt])
+    step(*batches(1)[0])
+    guard = StateGuard(state, step, strict=False, grads_before=[(p, None) for p in model.parameters()])
+    assert guard.holds() and guard.changes() == []
+    model.eval()
+    opt.param_groups[0]["momentum"] = 0.5
+    model.fc2.weight.data = model.fc2.weight.data.clone()
+    helpers_reads.TEMPERATURE = 0.5  # not the step's own global: unseen without a ReadWatch
+    assert not guard.holds()
+    changes = {c.text.split(":")[0]: c for c in guard.changes()}
+    assert all(isinstance(c, Change) for c in changes.values())
+    assert changes["model"].variant and changes["model.drop"].variant
+    assert changes["optimizer.param_groups[0]['momentum']"].optimizer is opt
+    assert changes["optimizer.param_groups[0]['momentum']"].variant
+    assert not changes["model.fc2.weight"].variant and changes["model.fc2.weight"].optimizer is None
+    assert not any("TEMPERATURE" in text for text in changes)
+    # An optimizer that runs eagerly between replays is none of the graph's business.
+    model.train()
+    eager = StateGuard(state, step, strict=False, grads_before=[], eager_optimizers=[opt])
+    opt.param_groups[0]["momentum"] = 0.1
+    opt.state.clear()
+    assert eager.holds()
+
+
+def test_hyperparameters_leave_out_tensors_and_tuples_of_tensors():
+    group = {
+        "params": [],
+        "lr": torch.tensor(0.1),
+        "betas": (torch.tensor(0.9), torch.tensor(0.99)),
+        "eps": 1e-8,
+    }
+    group["weight_decay"] = 0.01
+    group["foreach"] = None
+    assert hyperparameters(group) == {"eps": 1e-8, "weight_decay": 0.01, "foreach": None}
+
+
+def test_read_watch_sees_helpers_not_libraries_and_restores_the_profiler():
+    torch.manual_seed(0)
+    model = ReadNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = make_step(model, opt)
+    calls = []
+
+    def previous(frame, event, arg):
+        calls.append(event)
+
+    x, y = batches(1)[0]
+    sys.setprofile(previous)
+    try:
+        with ReadWatch() as watch:
+            step(x, y)
+        assert sys.getprofile() is previous
+    finally:
+        sys.setprofile(None)
+    assert calls, "the previous profiler is chained, not silenced"
+    labels = [label for label, _, _ in watch.reads.globals] + [label for label, _ in watch.reads.cells]
+    assert "global 'TEMPERATURE' in helpers_reads.py" in labels
+    assert "global 'CONFIG' in helpers_reads.py" in labels
+    assert "closure variable 'weight' of make_weighted_loss.<locals>.loss" in labels
+    assert "global 'LOSS' in test_guards_reads.py" in labels
+    user_files = ("cpu_common.py", "test_guards_reads.py", "helpers_reads.py")
+    assert all(label.startswith("closure") or label.endswith(user_files) for label in labels), labels
+    assert all(f.split("(")[1].startswith(user_files) for f in watch.reads.functions), watch.reads.functions
+    assert any(name == "calls" for _, name in watch.reads.module_writes)
+    assert Reads.of_function(step).cells  # the step's own closure, without running it
+
+
+MOVES = {
+    "lr": lambda t: t.both(lambda m, o: o.param_groups[0].__setitem__("lr", o.param_groups[0]["lr"] * 0.7)),
+    "data": lambda t: t.both(lambda m, o: setattr(m.fc1.weight, "data", m.fc1.weight.data.clone() * 0.5)),
+    "eval": lambda t: t.both(lambda m, o: m.eval()),
+    "train": lambda t: t.both(lambda m, o: m.train()),
+    "freeze": freeze(False),
+    "unfreeze": freeze(True),
+    "dropout": lambda t: t.both(lambda m, o: setattr(m.drop, "p", 0.3 if m.drop.p != 0.3 else 0.1)),
+    "temperature": lambda t: t.both(lambda m, o: setattr(m, "temperature", m.temperature * 0.9)),
+    "global": lambda _: setattr(helpers_reads, "TEMPERATURE", helpers_reads.TEMPERATURE * 1.1),
+    "module attribute": lambda _: setattr(helpers_reads, "LOSS_WEIGHT", 2.0 - helpers_reads.LOSS_WEIGHT),
+    "cell": lambda _: SET_WEIGHT(0.5),
+    "field": lambda _: setattr(helpers_reads.CONFIG, "squared", not helpers_reads.CONFIG.squared),
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([None, *MOVES]), st.sampled_from([2, 4])),
+        min_size=4,
+        max_size=14,
+    )
+)
+def test_random_changes_always_equal_eager(calls):
+    helpers_reads.TEMPERATURE = 1.0
+    helpers_reads.LOSS_WEIGHT = 1.0
+    helpers_reads.CONFIG = helpers_reads.LossConfig()
+    SET_WEIGHT(1.0)
+    twins = Twins(graphstep.Config(backend="recording", warmup_steps=1, max_recaptures=100))
+    for i, (move, batch_size) in enumerate(calls):
+        if move is not None:
+            MOVES[move](twins)
+        x, y = batches(1, batch_size=batch_size, seed=i)[0]
+        twins.call(x, y, seed=i)
