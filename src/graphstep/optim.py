@@ -28,7 +28,7 @@ the device without a host sync. That depends on the implementation that runs:
 | NAdam | forloop | lr, betas[0], eps, momentum_decay | betas[1], weight_decay |
 | RAdam | foreach | lr | betas, eps, weight_decay |
 | RAdam | forloop | lr, betas[0], eps | betas[1], weight_decay |
-| Adamax | foreach | lr | betas, eps, weight_decay |
+| Adamax | foreach | lr, betas[1] | betas[0], eps, weight_decay |
 | Adamax | forloop | lr, betas[0], betas[1], eps | weight_decay |
 | RMSprop | foreach | lr | momentum, alpha, eps, weight_decay |
 | RMSprop | forloop | eps | lr, momentum, alpha, weight_decay |

@@ -40,7 +40,11 @@ LIVE: dict[str, dict[Impl, dict[str, tuple[int, ...] | None]]] = {
         "forloop": {"lr": SCALAR, "eps": SCALAR, "momentum_decay": SCALAR, "betas": (0,)},
     },
     "RAdam": {"foreach": {"lr": SCALAR}, "forloop": {"lr": SCALAR, "eps": SCALAR, "betas": (0,)}},
-    "Adamax": {"foreach": {"lr": SCALAR}, "forloop": {"lr": SCALAR, "eps": SCALAR, "betas": (0, 1)}},
+    # Its foreach update multiplies by beta2 with a tensor overload, but lerps by 1 - beta1.
+    "Adamax": {
+        "foreach": {"lr": SCALAR, "betas": (1,)},
+        "forloop": {"lr": SCALAR, "eps": SCALAR, "betas": (0, 1)},
+    },
     "RMSprop": {"foreach": {"lr": SCALAR}, "forloop": {"eps": SCALAR}},
     "Adagrad": {"fused": {"lr": SCALAR}},  # fused Adagrad runs on the CPU only
     "Adadelta": {"foreach": {"lr": SCALAR}, "forloop": {"eps": SCALAR}},
