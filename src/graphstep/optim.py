@@ -206,6 +206,7 @@ class OptimizerAdapter:
                 raise UnsupportedOptimizerError(f"{type(optimizer).__qualname__} on {device.type}: {why}")
         self.device = device
         for optimizer, group_plans in zip(self.optimizers, plans):
+            first = optimizer not in LIVE  # a second adapter of it (an eager twin's, say) logs nothing
             live = Live.of(optimizer, device)
             live.plans = group_plans
             for group, p in zip(optimizer.param_groups, group_plans):
@@ -215,7 +216,8 @@ class OptimizerAdapter:
                 optimizer.defaults["capturable"] = True  # for groups added later
             move_host_state(optimizer)
             install_load_hooks(optimizer, Live.absorb_loaded)
-            _log_plan(optimizer, group_plans)
+            if first:
+                _log_plan(optimizer, group_plans)
 
     def before_call(self) -> None:
         """Put the live tensors into the param groups, copying in any number assigned since.
