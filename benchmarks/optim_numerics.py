@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 import graphstep
+from graphstep.demo.bench import gpu_slug
 from graphstep.optim import make_capturable
 
 OPTIONS = {
@@ -179,7 +180,7 @@ def _line(r: dict) -> str:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    hw = "cpu" if args.device == "cpu" else torch.cuda.get_device_name().lower().split()[-1]
+    hw = "cpu" if args.device == "cpu" else gpu_slug(torch.cuda.get_device_name())
     stem = Path(args.out) / f"{hw}_{datetime.date.today().isoformat()}_optim-numerics"
     stem.parent.mkdir(parents=True, exist_ok=True)
     config = dict(
