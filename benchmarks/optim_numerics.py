@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import sys
 from pathlib import Path
@@ -136,6 +137,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    if args.device != "cpu":  # run-to-run deterministic, so every difference is the settings'
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     rows = []
     with capturable_on_cpu(args.device == "cpu"):
         for name in OPTIONS:
