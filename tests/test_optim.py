@@ -129,7 +129,7 @@ optim = torch.optim
         (lambda: optim.RMSprop(P, foreach=True), "cuda", True, True),
         (lambda: optim.RMSprop(P, foreach=False), "cuda", True, False),
         (lambda: optim.Adadelta(P, foreach=True), "cuda", True, True),
-        (lambda: optim.Rprop(P), "cuda", True, False),
+        (lambda: optim.Rprop(P), "cuda", True, True),  # read only when its state is made
         (lambda: optim.SGD(P, momentum=0.9), "cuda", False, False),
         (lambda: optim.SGD(P, momentum=0.9, foreach=True), "cuda", False, False),
         (lambda: optim.SGD(P, momentum=0.9, fused=True), "cuda", False, True),
@@ -193,14 +193,16 @@ def test_tensor_lr_table_matches_the_installed_torch(cls, flags):
     )
 
 
-def test_prepare_makes_lr_a_float32_device_tensor_once():
+def test_lr_becomes_a_float32_device_tensor_at_the_first_call_once():
     opt = fused_sgd(TinyNet().parameters())
     adapter = make_capturable(opt)
+    assert opt.param_groups[0]["lr"] == 0.05, "a scheduler made now must still see the float"
+    adapter.before_call()
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.shape == () and lr.dtype == torch.float32
     assert lr.item() == torch.tensor(0.05, dtype=torch.float32).item()
     adapter.prepare("cpu")  # idempotent, and so is a second adapter on the same optimizer
-    make_capturable(opt)
+    make_capturable(opt).before_call()
     assert opt.param_groups[0]["lr"] is lr
     with pytest.raises(GraphStepError, match="prepared for cpu"):
         adapter.prepare("meta")
@@ -209,13 +211,14 @@ def test_prepare_makes_lr_a_float32_device_tensor_once():
 def test_a_users_tensor_lr_is_kept():
     lr = torch.tensor(0.1)
     opt = torch.optim.SGD(TinyNet().parameters(), lr=lr, fused=True)
-    make_capturable(opt)
+    make_capturable(opt).before_call()
     assert opt.param_groups[0]["lr"] is lr
 
 
 def test_an_assigned_lr_is_absorbed_into_the_tensor_the_graph_reads():
     opt = fused_sgd(TinyNet().parameters())
     adapter = make_capturable(opt)
+    adapter.before_call()
     group = opt.param_groups[0]
     lr = group["lr"]
     group["lr"] = 0.01  # a float, as older schedulers assign
@@ -257,9 +260,14 @@ def test_optimizers_that_cannot_be_captured_are_refused_with_a_reason(make, word
         graphstep.optim.make_capturable(opt)
 
 
-def test_adagrad_is_refused_on_cuda_but_fused_adagrad_runs_on_cpu():
+def test_adagrad_runs_only_eagerly_on_a_gpu_but_fused_adagrad_runs_on_cpu():
+    (p,) = plan(torch.optim.Adagrad(P), "cuda")
+    assert "step count on the host" in p.eager_only and not p.live
     with pytest.raises(UnsupportedOptimizerError, match="step count on the host"):
-        plan(torch.optim.Adagrad(P), "cuda")
+        OptimizerAdapter([torch.optim.Adagrad(P)]).prepare("xpu")  # a capturable device type
+    adapter = OptimizerAdapter([opt := torch.optim.Adagrad(P)], allow_eager=True)
+    adapter.prepare("xpu")
+    assert "step count" in adapter.eager_only(opt) and not adapter.can_stay_in_graph(opt, "lr")
     assert plan(torch.optim.Adagrad(P, fused=True), "cpu")[0].tensor_lr
 
 

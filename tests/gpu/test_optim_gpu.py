@@ -1,0 +1,160 @@
+"""Live hyperparameters on a GPU (issue 11): every torch optimizer that runs on CUDA, with OneCycleLR
+(momentum or beta1 cycled) and a linear warm-up from lr 0, captured once and bitwise equal to an eager
+twin made with `make_capturable`, in deterministic mode; replays run under
+`torch.cuda.set_sync_debug_mode("error")`, so a live hyperparameter read on the host fails the test.
+
+Rows in `NEEDS_SEGMENTS` change a number that torch's implementation bakes in (tests/test_optim_live.py
+says which); they pass once such an optimizer runs as an eager segment, and xfail until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from gpu_common import deterministic, needs_cuda
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+import graphstep
+from graphstep import optim_table as table
+from graphstep.optim import make_capturable
+
+pytestmark = needs_cuda
+
+N_STEPS = 20
+OPTIONS = {
+    "SGD": dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "Adam": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-3),
+    "AdamW": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-2),
+    "NAdam": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-3),
+    "RAdam": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-3),
+    "Adamax": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-3),
+    "RMSprop": dict(lr=1e-3, momentum=0.9, weight_decay=1e-3),
+    "Adagrad": dict(lr=0.05, weight_decay=1e-3),
+    "Adadelta": dict(lr=0.5, weight_decay=1e-3),
+    "ASGD": dict(lr=1e-2, t0=5.0, weight_decay=1e-3),
+    "Rprop": dict(lr=1e-2),
+}
+FLAGS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False)}
+FUSED_ON_CUDA = ("SGD", "Adam", "AdamW")  # fused Adagrad is CPU-only
+ROWS = [(n, i) for n in OPTIONS for i in FLAGS if i != "fused" or n in FUSED_ON_CUDA]
+
+
+def onecycle(opt: torch.optim.Optimizer) -> sched.LRScheduler:
+    cycles = "momentum" in opt.defaults or "betas" in opt.defaults
+    return sched.OneCycleLR(
+        opt, max_lr=5 * OPTIONS[type(opt).__name__]["lr"], total_steps=N_STEPS + 1, cycle_momentum=cycles
+    )
+
+
+def warmup(opt: torch.optim.Optimizer) -> sched.LRScheduler:  # transformers' linear warm-up and decay
+    warm, total = 6, N_STEPS + 2
+    return sched.LambdaLR(opt, lambda s: s / warm if s < warm else max(0.0, (total - s) / (total - warm)))
+
+
+SCHEDULES = {"OneCycleLR": onecycle, "warmup-from-0": warmup}
+
+
+def baked_by(name: str, impl: str, schedule: str) -> list[str]:
+    """The numbers `schedule` changes that this path does not read live."""
+    changed = ["lr"]
+    if schedule == "OneCycleLR":
+        changed += (
+            ["betas[0]"] if "betas" in OPTIONS[name] else ["momentum"] if "momentum" in OPTIONS[name] else []
+        )
+    if name == "Adagrad":
+        return ["its whole step (a host step count on a GPU)"]
+    live = table.LIVE[name].get(impl, {})
+    return [k for k in changed if not (k in live or (k == "betas[0]" and 0 in (live.get("betas") or ())))]
+
+
+NEEDS_SEGMENTS = {(n, i, s) for n, i in ROWS for s in SCHEDULES if baked_by(n, i, s)}
+
+
+def cases():
+    for name, impl in ROWS:
+        for schedule in SCHEDULES:
+            marks = []
+            if (name, impl, schedule) in NEEDS_SEGMENTS:
+                why = f"needs eager segments: {', '.join(baked_by(name, impl, schedule))} baked on this path"
+                marks.append(pytest.mark.xfail(reason=why, strict=False))
+            yield pytest.param(name, impl, schedule, marks=marks, id=f"{name}-{impl}-{schedule}")
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # x: (B, 32), y: (B,) int64
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def make_step(model: nn.Module, opt: torch.optim.Optimizer):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@contextlib.contextmanager
+def sync_debug(mode: str):
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Compare bit patterns: NaN equals NaN (capturable for-loop Adam makes NaN at lr 0: pytorch#126514)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("name, impl, schedule", list(cases()))
+def test_optimizer_and_schedule_bitwise_equal_to_eager_with_one_capture(name, impl, schedule):
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 32, generator=g).cuda(), torch.randint(8, (16,), generator=g).cuda())
+        for _ in range(N_STEPS)
+    ]
+    make = lambda params: getattr(torch.optim, name)(params, **OPTIONS[name], **FLAGS[impl])  # noqa: E731
+    eager_opt, graph_opt = make(twin.parameters()), make(model.parameters())
+    make_capturable(eager_opt, "cuda")  # before its scheduler; graphstep prepares at its first call
+    step = graphstep.capture(make_step(model, graph_opt), model=model, optimizer=graph_opt)
+    in_graph = (name, impl, schedule) not in NEEDS_SEGMENTS
+    runs = []
+    with deterministic():
+        for m, opt, call in ((twin, eager_opt, make_step(twin, eager_opt)), (model, graph_opt, step)):
+            scheduler = SCHEDULES[schedule](opt)
+            losses = []
+            for x, y in data:
+                replaying = call is step and step.stats.captures == 1 and in_graph
+                with sync_debug("error") if replaying else contextlib.nullcontext():
+                    losses.append(call(x, y))
+                    scheduler.step()
+            runs.append((m, opt, losses))
+        torch.cuda.synchronize()
+    (m_e, o_e, losses_e), (m_g, o_g, losses_g) = runs
+    for i, (a, b) in enumerate(zip(losses_e, losses_g)):
+        assert torch.equal(bits(a), bits(b)), f"step {i}: eager loss {a.item()!r} != graphstep {b.item()!r}"
+    for (pname, p), q in zip(m_e.named_parameters(), m_g.parameters()):
+        assert torch.equal(bits(p), bits(q)), f"{pname} differs: max |diff| {(p - q).abs().max().item():.3g}"
+        for key, value in o_e.state[p].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(bits(value), bits(o_g.state[q][key])), f"optimizer state {key} of {pname}"
+    s = step.stats
+    assert step.backend_name == "cuda" and s.captures == 1, s
+    assert s.replays == N_STEPS - 3, s  # three warm-ups; the capturing call replays too
+    step.close()
