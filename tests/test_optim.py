@@ -254,10 +254,8 @@ def test_an_added_param_group_gets_its_own_lr_tensor():
 def test_optimizers_that_cannot_be_captured_are_refused_with_a_reason(make, words):
     opt = make(TinyNet().parameters())
     with pytest.raises(UnsupportedOptimizerError) as info:
-        OptimizerAdapter([opt])
+        OptimizerAdapter([opt])  # as Config(optimizer_mode="graph") makes it
     assert all(w in str(info.value) for w in words), str(info.value)
-    with pytest.raises(UnsupportedOptimizerError):
-        graphstep.optim.make_capturable(opt)
 
 
 def test_adagrad_runs_only_eagerly_on_a_gpu_but_fused_adagrad_runs_on_cpu():
@@ -356,9 +354,9 @@ def test_sgd_without_fused_keeps_a_float_lr_and_matches_eager_at_a_constant_lr(f
 
 
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
-def test_sgd_without_fused_and_a_scheduler_moves_to_an_eager_segment_once(foreach):
-    """SGD without fused=True keeps a float lr: at its first change, its step moves to an eager
-    segment between graph replays (optimizer_mode="auto"), and later changes need no capture."""
+def test_sgd_without_fused_and_a_scheduler_runs_as_an_eager_segment(foreach):
+    """SGD without fused=True keeps a float lr, and a scheduler is attached: its step runs as an
+    eager segment between graph replays from the first capture (optimizer_mode="auto")."""
 
     def make_opt(params):
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=foreach)
@@ -369,7 +367,7 @@ def test_sgd_without_fused_and_a_scheduler_moves_to_an_eager_segment_once(foreac
     graphed = captured(train_step(m_g, o_g), m_g, o_g)
     graphed_losses = run(graphed, data, stepper(sched.StepLR(o_g, 6, 0.5), []))
     assert_equal_runs(eager_losses, graphed_losses, m_e, m_g)
-    assert graphed.step.stats.captures == 2, graphed.step.stats
+    assert graphed.step.stats.captures == 1, graphed.step.stats
 
 
 @pytest.mark.parametrize("zero", ["optimizer", "model", "optimizer_first"])
@@ -495,7 +493,7 @@ def test_load_state_dict_of_another_structure_is_left_to_the_guards():
     graphed = captured(train_step(m_g, o_g), m_g, o_g)
     graphed_losses = run(graphed, data, reset_state(o_g))
     assert_equal_runs(eager_losses, graphed_losses, m_e, m_g)
-    assert graphed.step.stats.captures == 2, graphed.step.stats
+    assert graphed.step.stats.captures == 2, graphed.step.stats  # one more warm-up, then a capture
 
 
 def test_state_layout_changes_only_while_state_is_created():

@@ -75,13 +75,32 @@ def test_an_eager_optimizer_follows_every_schedule_with_one_capture():
     assert step.stats.captures == 1 and step.stats.replays == STEPS - 3
 
 
-def test_auto_moves_an_optimizer_whose_baked_hyperparameter_changes_to_a_segment_once(caplog):
+def test_auto_runs_an_optimizer_whose_scheduler_changes_a_baked_value_as_a_segment(caplog):
     with caplog.at_level(logging.WARNING, logger="graphstep"):
         step = run_pair(twins(sgd, one_cycle), recording())
-    # The first capture, then one more when OneCycleLR first changed momentum / lr: never again.
+    assert step.stats.captures == 1  # torch's schedulers mark the groups they drive
+    moved = [r.message for r in caplog.records if "runs eagerly between graph replays" in r.message]
+    assert len(moved) == 1 and "SGD.step()" in moved[0] and "'lr'" in moved[0]
+
+
+class ByHand:
+    """A schedule no scheduler object announces: a float lr assigned between calls."""
+
+    def __init__(self, opt):
+        self.opt, self.i = opt, 0
+
+    def step(self):
+        self.i += 1
+        self.opt.param_groups[0]["lr"] = 0.05 / (1 + self.i // 4)
+
+
+def test_auto_moves_an_optimizer_to_a_segment_at_the_first_unforeseen_change(caplog):
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        step = run_pair(twins(sgd, ByHand), recording())
+    # The first capture, then one more when lr first changed by hand: never again.
     assert step.stats.captures == 2
     moved = [r.message for r in caplog.records if "runs eagerly between graph replays" in r.message]
-    assert len(moved) == 1 and "SGD.step()" in moved[0]
+    assert len(moved) == 1 and "['lr']: 0.05 -> 0.025" in moved[0]
 
 
 def test_graph_mode_recaptures_on_a_baked_change_and_stops_at_the_limit():
@@ -133,10 +152,16 @@ class Lion(torch.optim.Optimizer):
                 m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-def test_a_custom_optimizer_with_a_schedule_needs_one_switch():
+def test_a_custom_optimizer_with_a_schedule_runs_as_a_segment():
     cosine = lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS)  # noqa: E731
     step = run_pair(twins(lambda m: Lion(m.parameters()), cosine), recording())
-    assert step.stats.captures == 2
+    assert step.stats.captures == 1
+
+
+def test_a_custom_optimizer_with_fixed_hyperparameters_stays_in_the_graph(caplog):
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        step = run_pair(twins(lambda m: Lion(m.parameters())), recording())
+    assert step.stats.captures == 1 and "runs eagerly" not in caplog.text
 
 
 def test_a_user_segment_may_read_the_host_and_hand_tensors_on():

@@ -222,7 +222,7 @@ class CapturedStep:
         # Modules and optimizers the step reaches through its closure or globals are state too.
         found = self._state.discover((label, value) for label, _, value in bindings(self._fn))
         self._generators += [g for g in found if not any(g is known for known in self._generators)]
-        optim = OptimizerAdapter(self._state.optimizers)
+        optim = OptimizerAdapter(self._state.optimizers, allow_eager=self.config.optimizer_mode != "graph")
         if self._share is not None:
             if self._share._ctx is None:
                 raise GraphStepError(

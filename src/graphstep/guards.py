@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from . import barriers
+from .optim import baked_hyperparameters
 from .reads import ReadGuard, Reads
 from .state import TrainingState, follow, storage_paths
 
@@ -53,6 +54,8 @@ class Change:
     grad replaced, an object rebound, param groups replaced, a (re-)registration."""
     optimizer: torch.optim.Optimizer | None = None
     """The optimizer whose param-group hyperparameters changed (it could run eagerly instead)."""
+    key: str | None = None
+    """Which param-group key of `optimizer` changed."""
 
     def __str__(self) -> str:
         return self.text
@@ -87,17 +90,12 @@ def _meta(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _holds_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or (
-        isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
-    )
-
-
-def hyperparameters(group: dict) -> dict[str, Any]:
-    """The Python values of a param group that a graph bakes in. Tensors, and tuples or lists
-    holding tensors (Adam's betas as device scalars), are read live: comparing them would make
-    the host wait for the device."""
-    return {k: v for k, v in group.items() if k != "params" and not _holds_tensor(v)}
+def hyperparameters(group: dict, ignored: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The Python values of a param group that a graph bakes in (device tensors are read live;
+    see `optim.baked_hyperparameters`), less `ignored`: keys the optimizer's step does not read
+    from its graph (a scheduler's bookkeeping, a value read only when state is created)."""
+    baked = baked_hyperparameters(group)
+    return {k: v for k, v in baked.items() if k not in ignored} if ignored else baked
 
 
 def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[str, torch.Tensor]]:
@@ -180,6 +178,7 @@ class StateGuard:
         grads_before: list[tuple[torch.Tensor, torch.Tensor | None]],
         reads: Reads | None = None,
         eager_optimizers: Collection[torch.optim.Optimizer] = (),
+        unbaked: Callable[[torch.optim.Optimizer, str], bool] = lambda opt, key: False,
     ):
         barriers.install()
         self.epoch = barriers.structure_epoch
@@ -244,7 +243,11 @@ class StateGuard:
                 opt,
                 opt.state,
                 opt.param_groups,
-                [(g, g["params"], len(g["params"]), hyperparameters(g)) for g in opt.param_groups],
+                [
+                    (g, g["params"], len(g["params"]), ignored, hyperparameters(g, ignored))
+                    for g in opt.param_groups
+                    for ignored in [frozenset(k for k in g if k != "params" and unbaked(opt, k))]
+                ],
                 len(opt.param_groups),
             )
             for opt in graph_state.optimizers
@@ -264,11 +267,11 @@ class StateGuard:
         for opt, state, groups_list, groups, n_groups in self.optimizers:
             if opt.state is not state or opt.param_groups is not groups_list or len(groups_list) != n_groups:
                 return False
-            for group, params, n_params, hyper in groups:
+            for group, params, n_params, ignored, hyper in groups:
                 if (
                     group["params"] is not params
                     or len(params) != n_params
-                    or hyperparameters(group) != hyper
+                    or hyperparameters(group, ignored) != hyper
                 ):
                     return False
         grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
@@ -371,17 +374,17 @@ class StateGuard:
             if opt.param_groups is not groups_list or len(opt.param_groups) != n_groups:
                 found.append(Change(f"{label}.param_groups: groups added or replaced"))
                 continue
-            for gi, (group, params, n_params, hyper) in enumerate(groups):
+            for gi, (group, params, n_params, ignored, hyper) in enumerate(groups):
                 if group["params"] is not params or len(params) != n_params:
                     found.append(Change(f"{label}.param_groups[{gi}]: parameters added or removed"))
-                now = hyperparameters(group)
+                now = hyperparameters(group, ignored)
                 for key in sorted(set(now) | set(hyper)):
                     if now.get(key) != hyper.get(key):
                         text = (
                             f"{label}.param_groups[{gi}]['{key}']: {hyper.get(key)!r} -> {now.get(key)!r} "
                             "(a Python number is baked into the graph)"
                         )
-                        found.append(Change(text, variant=True, optimizer=opt))
+                        found.append(Change(text, variant=True, optimizer=opt, key=key))
         return found
 
     def _index(self, opt: torch.optim.Optimizer) -> int:

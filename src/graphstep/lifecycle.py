@@ -86,19 +86,25 @@ class StepContext:
         self.modes_epoch += 1
 
     def choose_optimizer_modes(self) -> None:
-        """Before a capture: in `optimizer_mode="auto"`, an optimizer that keeps Python numbers in
-        its state (a step counter of a custom optimizer) branches on values no graph would update:
-        its step runs as an eager segment."""
+        """Before a capture, in `optimizer_mode="auto"`: an optimizer whose step will differ from
+        what a graph bakes runs as an eager segment from the start, rather than after a capture
+        that its first change would throw away. That is one whose step reads the host every call,
+        one whose state holds Python numbers (a custom optimizer's step counter, which no graph
+        would update), and one with a scheduler attached (torch's schedulers add `initial_lr`, and
+        `base_momentum` when they cycle momentum) that changes a value it bakes."""
         if self.config.optimizer_mode != "auto":
             return
-        python_state = [
-            opt
-            for opt in self.state.optimizers
-            if not any(opt is o for o in self.eager_optimizers)
-            and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values())
-        ]
-        if python_state:
-            self.move_to_eager(python_state, "its state holds Python numbers, which a graph would freeze")
+        for opt in self.state.optimizers:
+            if any(opt is o for o in self.eager_optimizers):
+                continue
+            why = self.optim.eager_only(opt)
+            if not why and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values()):
+                why = "its state holds Python numbers, which a graph would freeze"
+            for key in _scheduled_keys(opt):
+                if not why and not self.optim.can_stay_in_graph(opt, key):
+                    why = f"a scheduler changes {key!r}, which it reads as a Python number"
+            if why:
+                self.move_to_eager([opt], why)
 
     def optimizers_to_move(self, changes: list) -> list[torch.optim.Optimizer]:
         """Optimizers whose baked hyperparameters are among `changes` and that may move to an
@@ -204,6 +210,12 @@ class Lifecycle:
             return self.replay(leaves, args, kwargs)
         if agreed.phase is Phase.EAGER:
             if plan.kind == "rewarm":
+                log.warning(
+                    "graphstep: %s: optimizer state of another layout was loaded; one more warm-up, then "
+                    "a capture:\n%s",
+                    ctx.name,
+                    _listed(plan.changes),
+                )
                 self._drop_all()
                 self.warmups = ctx.warmups_needed - 1
             elif self.current is not None:  # another rank warms up: step eagerly with it
@@ -455,6 +467,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             grads_before=snapshot.grads,
             reads=watch.reads,
             eager_optimizers=ctx.eager_optimizers,
+            unbaked=ctx.optim.can_stay_in_graph,
         )
     if isinstance(backend, CudaGraphBackend):
         torch.cuda.synchronize(backend.index)
@@ -463,6 +476,15 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     return Variant(
         recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes_epoch
     )
+
+
+def _scheduled_keys(opt: torch.optim.Optimizer) -> list[str]:
+    """The keys a torch LR scheduler attached to `opt` will change (see `choose_optimizer_modes`)."""
+    group = opt.param_groups[0] if opt.param_groups else {}
+    keys = ["lr"] if "initial_lr" in group else []
+    if "base_momentum" in group:  # OneCycleLR / CyclicLR with cycle_momentum=True
+        keys.append("momentum" if "momentum" in group else "betas[0]")
+    return keys
 
 
 _HOST_SYNC = 2

@@ -260,7 +260,7 @@ def make_capturable(optimizer: Optimizer, device: torch.device | str | None = No
     if device is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
-    adapter = OptimizerAdapter([optimizer])
+    adapter = OptimizerAdapter([optimizer], allow_eager=True)
     adapter.prepare(device)
     return adapter
 

@@ -3,8 +3,8 @@
 twin made with `make_capturable`, in deterministic mode; replays run under
 `torch.cuda.set_sync_debug_mode("error")`, so a live hyperparameter read on the host fails the test.
 
-Rows in `NEEDS_SEGMENTS` change a number that torch's implementation bakes in (tests/test_optim_live.py
-says which); they pass once such an optimizer runs as an eager segment, and xfail until then.
+Rows in `IN_SEGMENT` change a number that torch's implementation bakes in (tests/test_optim_live.py
+says which): graphstep runs such an optimizer's step as an eager segment between graph replays.
 """
 
 from __future__ import annotations
@@ -71,17 +71,13 @@ def baked_by(name: str, impl: str, schedule: str) -> list[str]:
     return [k for k in changed if not (k in live or (k == "betas[0]" and 0 in (live.get("betas") or ())))]
 
 
-NEEDS_SEGMENTS = {(n, i, s) for n, i in ROWS for s in SCHEDULES if baked_by(n, i, s)}
+IN_SEGMENT = {(n, i, s) for n, i in ROWS for s in SCHEDULES if baked_by(n, i, s)}
 
 
 def cases():
     for name, impl in ROWS:
         for schedule in SCHEDULES:
-            marks = []
-            if (name, impl, schedule) in NEEDS_SEGMENTS:
-                why = f"needs eager segments: {', '.join(baked_by(name, impl, schedule))} baked on this path"
-                marks.append(pytest.mark.xfail(reason=why, strict=False))
-            yield pytest.param(name, impl, schedule, marks=marks, id=f"{name}-{impl}-{schedule}")
+            yield pytest.param(name, impl, schedule, id=f"{name}-{impl}-{schedule}")
 
 
 class MLP(nn.Module):
@@ -133,7 +129,7 @@ def test_optimizer_and_schedule_bitwise_equal_to_eager_with_one_capture(name, im
     eager_opt, graph_opt = make(twin.parameters()), make(model.parameters())
     make_capturable(eager_opt, "cuda")  # before its scheduler; graphstep prepares at its first call
     step = graphstep.capture(make_step(model, graph_opt), model=model, optimizer=graph_opt)
-    in_graph = (name, impl, schedule) not in NEEDS_SEGMENTS
+    in_graph = (name, impl, schedule) not in IN_SEGMENT
     runs = []
     with deterministic():
         for m, opt, call in ((twin, eager_opt, make_step(twin, eager_opt)), (model, graph_opt, step)):
