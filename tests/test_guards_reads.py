@@ -112,6 +112,15 @@ def test_freezing_and_unfreezing_a_layer_recaptures_and_names_the_parameter(capl
     assert twins.step.stats.captures == 3
 
 
+def test_unfreezing_a_layer_that_never_trained_warms_up_before_capturing():
+    """Its optimizer state does not exist yet: the next step creates it, and a capture of that
+    step would replay the creation (momentum = grad) forever."""
+    twins = Twins(graphstep.Config(backend="recording", warmup_steps=1))
+    run(twins, {0: freeze(False), 2: freeze(True)})
+    assert twins.step.stats.captures == 2
+    assert twins.step.stats.warmup_calls == 2
+
+
 def test_dropout_p_changed_recaptures_and_names_it(caplog):
     twins = Twins()
 
@@ -327,3 +336,26 @@ def test_random_changes_always_equal_eager(calls):
             MOVES[move](twins)
         x, y = batches(1, batch_size=batch_size, seed=i)[0]
         twins.call(x, y, seed=i)
+
+
+def test_the_cpp_helper_sees_what_the_python_path_sees():
+    """Runs where the helper is built (GRAPHSTEP_BUILD_FASTCHECK=1, or built at install)."""
+    from graphstep import fastcheck
+
+    helper = fastcheck.helper()
+    if helper is None:
+        pytest.skip("the C++ guard helper is not built here")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    params = list(model.parameters())
+    model[1].bias.requires_grad_(False)
+    check = helper.TensorCheck(params, params[:3], params[3:])
+    assert check.holds()
+    model[0].weight.requires_grad_(False)
+    assert not check.holds()
+    model[0].weight.requires_grad_(True)
+    model[1].bias.requires_grad_(True)
+    assert not check.holds()
+    model[1].bias.requires_grad_(False)
+    assert check.holds()
+    model[0].bias.data = model[0].bias.data.clone()
+    assert not check.holds()

@@ -260,7 +260,7 @@ class CapturedStep:
         changes = entry.guard.changes()
         if not changes:  # an unrelated module elsewhere in the process was re-registered
             return Phase.REPLAY, []
-        if self._optim.state_layout() != entry.optimizer_layout:
+        if self._optim.state_layout() != entry.optimizer_layout or any(c.warm_up for c in changes):
             # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
             # now would record the lazy first step forever. Warm up once more first.
             return Phase.EAGER, changes
