@@ -119,6 +119,15 @@ def test_unfreezing_a_layer_that_never_trained_warms_up_before_capturing():
     run(twins, {0: freeze(False), 2: freeze(True)})
     assert twins.step.stats.captures == 2
     assert twins.step.stats.warmup_calls == 2
+    # The same before a signature's first capture: its warm-up ran with the layer frozen.
+    twins = Twins(graphstep.Config(backend="recording", warmup_steps=1))
+    freeze(False)(twins)
+    twins.call(*batches(1, batch_size=2)[0], seed=0)  # warms up this signature
+    twins.call(*batches(1, batch_size=4)[0], seed=1)  # and another
+    freeze(True)(twins)
+    for i in range(2, 6):
+        twins.call(*batches(1, batch_size=2, seed=i)[0], seed=i)
+    assert twins.step.stats.warmup_calls == 3
 
 
 def test_dropout_p_changed_recaptures_and_names_it(caplog):

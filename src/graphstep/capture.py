@@ -33,7 +33,7 @@ from .diagnostics import (
 )
 from .distributed import Agreement, Phase, Ranks
 from .errors import ClosedError, GraphStepError, StaleGraphError, TooManyGraphsError
-from .guards import StateGuard, bindings
+from .guards import StateGuard, bindings, trainable
 from .optim import OptimizerAdapter
 from .reads import ReadWatch
 from .signature import Signature
@@ -93,6 +93,8 @@ class _Entry:
     """`OptimizerAdapter.state_layout()` at capture: which parameters had which optimizer state."""
     sync_sites: list[str] = dataclasses.field(default_factory=list)
     """Where the last warm-up synchronised with the host; capture is refused while non-empty."""
+    trainable: list[bool] | None = None
+    """`guards.trainable` after the last warm-up: capture only while it is still so."""
 
 
 class CapturedStep:
@@ -254,7 +256,8 @@ class CapturedStep:
         if entry is None or entry.stale:
             return Phase.EAGER, []
         if entry.recording is None:
-            return (Phase.CAPTURE if entry.warmups >= self._warmups_needed else Phase.EAGER), []
+            ready = entry.warmups >= self._warmups_needed and trainable(self._state) == entry.trainable
+            return (Phase.CAPTURE if ready else Phase.EAGER), []
         if entry.guard is None or entry.guard.holds():
             return Phase.REPLAY, []
         changes = entry.guard.changes()
@@ -277,6 +280,7 @@ class CapturedStep:
         else:
             outputs = backend.warmup(self._fn, args, kwargs, in_pool=self._pool_is_free())
         entry.warmups += 1
+        entry.trainable = trainable(self._state)
         self._stats.warmup_calls += 1
         self._stats.warmup_s += time.perf_counter() - start
         return sig.detached(outputs)

@@ -132,6 +132,13 @@ def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[st
             yield label, value
 
 
+def trainable(state: TrainingState) -> list[bool]:
+    """Which parameters require grad. The lifecycle compares it between the last warm-up and the
+    capture: a parameter that starts training gets its optimizer state on its first step, and a
+    capture of that step would replay the creation (momentum = grad) forever."""
+    return [p.requires_grad for p in state.parameters()]
+
+
 def bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
     """Closure cells and globals of the step that hold tensors, modules, optimizers or generators.
 
