@@ -199,6 +199,21 @@ def test_dataclass_config_field_recaptures(caplog):
     assert twins.step.stats.captures == 3
 
 
+def test_config_dataclass_kept_by_the_model_recaptures(caplog):
+    twins = Twins()
+    twins.both(lambda m, o: setattr(m, "config", helpers_reads.LossConfig()))
+
+    def forward(self, x):  # reads its own config
+        return TinyNet.forward(self, x) * self.config.scale
+
+    twins.model.forward = forward.__get__(twins.model)
+    twins.twin.forward = forward.__get__(twins.twin)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        run(twins, {14: lambda t: t.both(lambda m, o: setattr(m.config, "scale", 0.5))})
+    assert "model.config, field 'scale': 1.0 -> 0.5" in caplog.text
+    assert twins.step.stats.captures == 2
+
+
 def test_explain_points_out_unguarded_reads_and_the_steps_own_writes(twins):
     (_, _), (model, opt) = twins
 

@@ -253,6 +253,10 @@ class StateGuard:
             scan=strict,
             skip=reads.module_writes,
         )
+        for name, attrs in zip(self.modules.names, self.modules.attrs):
+            for key, (value, by_value) in attrs.items():
+                if not by_value:  # a config dataclass kept as `self.config`, say
+                    self.reads.watch_fields(f"{name}.{key}", value)
         self.optimizers = [
             (
                 opt,

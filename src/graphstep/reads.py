@@ -385,6 +385,12 @@ class ReadGuard:
             (label, value) for label, _, value, _ in self.cells
         ]
 
+    def watch_fields(self, label: str, value: Any) -> None:
+        """Guard the fields of a dataclass instance held elsewhere (a module's `self.config`):
+        nothing else sees a write to them."""
+        if _plain_fields(value) and all(value is not obj for _, obj, _, _ in self.fields):
+            self._add_fields(label, value, depth=0)
+
     def _add_fields(self, label: str, value: Any, depth: int) -> None:
         if is_simple(value) or value is MISSING or isinstance(value, _IDENTITY_OK):
             return
