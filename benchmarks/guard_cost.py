@@ -48,13 +48,20 @@ def build(check: str, device: str):
     return graphstep.capture(step, model=model, optimizer=opt, config=config), model
 
 
+ROUNDS = 5
+
+
 def median_us(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """The lowest of ROUNDS medians of n / ROUNDS timed calls each: robust to a busy host."""
+    medians = []
+    for _ in range(ROUNDS):
+        times = []
+        for _ in range(max(1, n // ROUNDS)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    return min(medians) * 1e6
 
 
 def sync(device: str) -> None:
@@ -106,6 +113,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("-n", type=int, default=2000, help="timed calls per measurement")
+    parser.add_argument("--tag", default="", help="added to the file name (e.g. before, cpp)")
     args = parser.parse_args()
     rows = []
     for check in ("full", "strict", "off"):
@@ -132,14 +140,16 @@ def main() -> None:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "config": f"{N_LAYERS} x Linear(16,16) ({N_LAYERS * 2} parameter tensors), {optimizer}; guard_us: "
-        f"median of StateGuard.holds() over {args.n} calls; parts_us: each part of holds() alone; "
-        "replay_call_us (GPU): median of a whole call (copy input, guard, replay, clone loss) followed "
-        "by torch.cuda.synchronize(), over 300 calls",
+        f"lowest of {ROUNDS} medians of StateGuard.holds() over {args.n // ROUNDS} calls each; parts_us: each "
+        "part of holds() alone, timed the same way; replay_call_us (GPU): the same for a whole call (copy input, guard, replay, clone loss) followed "
+        "by torch.cuda.synchronize(), over 300 calls in all",
+        "cpp_helper": bool(rows[0].get("parts_us", {}).get("pointers_and_requires_grad_cpp")),
         "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{slug}_{result['date']}_guards.json"
+    tag = f"_{args.tag}" if args.tag else ""
+    path = out / f"{slug}_{result['date']}_guards{tag}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -143,6 +143,14 @@ def test_dropout_p_changed_recaptures_and_names_it(caplog):
     assert twins.step.stats.captures == 3  # writing the same value again is no change
 
 
+def test_a_submodule_without_parameters_replaced_recaptures(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        run(twins, {10: lambda t: t.both(lambda m, o: setattr(m, "drop", torch.nn.Dropout(0.6)))})
+    assert "a submodule was replaced" in caplog.text
+    assert twins.step.stats.captures == 2
+
+
 def test_model_float_attribute_read_in_forward_recaptures(caplog):
     twins = Twins()
     with caplog.at_level(logging.WARNING, logger="graphstep"):
@@ -333,6 +341,7 @@ MOVES = {
     "freeze": freeze(False),
     "unfreeze": freeze(True),
     "dropout": lambda t: t.both(lambda m, o: setattr(m.drop, "p", 0.3 if m.drop.p != 0.3 else 0.1)),
+    "new dropout": lambda t: t.both(lambda m, o: setattr(m, "drop", torch.nn.Dropout(0.6 - m.drop.p))),
     "temperature": lambda t: t.both(lambda m, o: setattr(m, "temperature", m.temperature * 0.9)),
     "global": lambda _: setattr(helpers_reads, "TEMPERATURE", helpers_reads.TEMPERATURE * 1.1),
     "module attribute": lambda _: setattr(helpers_reads, "LOSS_WEIGHT", 2.0 - helpers_reads.LOSS_WEIGHT),

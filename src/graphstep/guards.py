@@ -268,6 +268,8 @@ class StateGuard:
             for opt in graph_state.optimizers
         ]
         self.parameter_ids = [id(p) for p in state.parameters()]
+        self.roots = [root for _, root in roots]
+        self.module_ids = self._module_ids()
         self.state = state
 
     # -- the check on every replay ---------------------------------------------------------
@@ -375,10 +377,17 @@ class StateGuard:
                         "a module's parameters were replaced or re-registered (setattr, load_state_dict(assign=True))"
                     )
                 )
+            elif self._module_ids() != self.module_ids:
+                found.append(
+                    Change("a submodule was replaced, added or removed (model.drop = nn.Dropout(...))")
+                )
             elif not found:
                 # Something was registered somewhere in the process, but not in this step's modules.
                 self.epoch = barriers.structure_epoch
         return found
+
+    def _module_ids(self) -> list[int]:
+        return [id(m) for root in self.roots for m in root.modules()]
 
     def _tensor_changes(self) -> list[Change]:
         found = []
