@@ -1,8 +1,14 @@
-"""What the guards cost per replay, for a model with 1,000 parameter tensors (AdamW: 2,000 state tensors).
+"""What the guards cost per replay, for a model with 1,000 parameter tensors.
 
-Times `StateGuard.holds()` (the check every replay pays) for each `Config.check` mode, and the host
-time of a whole replay call with and without checks. Writes benchmarks/results/<gpu>_<date>_guards.json.
-Run on a GPU machine: `python benchmarks/guard_cost.py [--out DIR]`.
+Times `StateGuard.holds()` (the check every replay pays) for each `Config.check` mode, each part
+of it (`StateGuard.breakdown()`: structure epoch, module modes and attributes, reads, optimizers,
+grads, requires_grad, data pointers), `holds()` after a module attribute was written with an equal
+value (the barrier marks it; one attribute is compared), and on a GPU the host time of a whole
+replay call. Writes benchmarks/results/<device>_<date>_guards.json.
+
+On a GPU machine: `python benchmarks/guard_cost.py` (AdamW capturable, the CUDA graph backend).
+Without one: `python benchmarks/guard_cost.py --device cpu` (the recording backend and SGD with
+momentum: AdamW on a CPU reads its step count on the host, which a graph cannot replay).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -17,15 +24,19 @@ from pathlib import Path
 import torch
 
 import graphstep
-from graphstep.demo.bench import gpu_slug
 
 N_LAYERS = 500  # Linear(16, 16) with bias: 2 tensors each -> 1,000 parameter tensors
 
 
-def build(check: str):
+def build(check: str, device: str):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(N_LAYERS)]).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(N_LAYERS)]).to(device)
+    if device == "cuda":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+        config = graphstep.Config(check=check)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+        config = graphstep.Config(check=check, backend="recording")
 
     def step(x):
         loss = model(x).square().mean()
@@ -34,82 +45,111 @@ def build(check: str):
         opt.zero_grad()
         return loss
 
-    return graphstep.capture(step, model=model, optimizer=opt, config=graphstep.Config(check=check)), model
+    return graphstep.capture(step, model=model, optimizer=opt, config=config), model
+
+
+ROUNDS = 5
 
 
 def median_us(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """The lowest of ROUNDS medians of n / ROUNDS timed calls each: robust to a busy host."""
+    medians = []
+    for _ in range(ROUNDS):
+        times = []
+        for _ in range(max(1, n // ROUNDS)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    return min(medians) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    x = torch.randn(8, 16, device="cuda")
-    rows = []
-    for check in ("full", "strict", "off"):
-        step, model = build(check)
-        for _ in range(5):
-            step(x)
+def sync(device: str) -> None:
+    if device == "cuda":
         torch.cuda.synchronize()
-        entry = next(iter(step._entries.values()))
-        guard_us = median_us(entry.guard.holds, 2000) if entry.guard is not None else 0.0
+
+
+def measure(check: str, device: str, n: int) -> dict:
+    step, model = build(check, device)
+    x = torch.randn(8, 16, device=device)
+    model[0].in_features = 10**20  # not a cached small int: `ten + 0` below is another object
+    for _ in range(5):
+        step(x)
+    sync(device)
+    entry = next(iter(step._entries.values()))
+    guard = entry.guard
+    row = {"check": check, "parameter_tensors": sum(1 for _ in model.parameters())}
+    row["tracked_tensors"] = len(guard.tensors) if guard is not None else 0  # pointer-checked
+    row["guard_us"] = round(median_us(guard.holds, n), 2) if guard is not None else 0.0
+    if guard is not None and hasattr(guard, "breakdown"):
+        row["parts_us"] = {name: round(median_us(part, n), 2) for name, part in guard.breakdown().items()}
+
+        # A write of an equal value in another object (a schedule recomputing Dropout.p, say) marks
+        # the module dirty: the next holds() compares that one attribute, then adopts the write.
+        ten = model[0].in_features
+
+        def write(model=model, ten=ten):
+            model[0].in_features = ten + 0  # a new int object, equal
+
+        def write_and_check(guard=guard):
+            write()
+            return guard.holds()
+
+        assert write_and_check(), "an equal value must not fail the guard"
+        row["guard_after_equal_write_us"] = round(median_us(write_and_check, n) - median_us(write, n), 2)
+    if device == "cuda":
 
         def call(step=step):
             step(x)
             torch.cuda.synchronize()
 
-        call_us = median_us(call, 300)
-        parts = {}
-        if entry.guard is not None:
-            g = entry.guard
-            from graphstep import guards
+        row["replay_call_us"] = round(median_us(call, 300), 1)
+    step.close()
+    return row
 
-            parts["pointers_cpp_us"] = (
-                median_us(lambda g=g: guards._ptrs_equal_in_cpp(g.tensors, g.ptrs, g.indices), 2000)
-                if guards._ptrs_equal_in_cpp is not None
-                else None
-            )
-            parts["pointers_python_us"] = median_us(
-                lambda g=g: list(map(guards._data_ptr, g.tensors)) == g.ptrs, 2000
-            )
-            parts["modes_us"] = median_us(
-                lambda g=g: list(map(guards._get_training, g.modules)) == g.training, 2000
-            )
-            print("   parts:", {k: round(v, 2) if v is not None else None for k, v in parts.items()})
-        n_params = sum(1 for _ in model.parameters())
-        tracked = len(entry.guard.tensors) if entry.guard is not None else 0  # pointer-checked
-        rows.append(
-            {
-                "check": check,
-                "guard_us": round(guard_us, 2),
-                "replay_call_us": round(call_us, 1),
-                "parameter_tensors": n_params,
-                "tracked_tensors": tracked,
-                **parts,
-            }
-        )
-        print(
-            f"check={check:5s} guard {guard_us:8.2f} us   whole call (synchronised) {call_us:8.1f} us   tracked {tracked}"
-        )
-        step.close()
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("-n", type=int, default=2000, help="timed calls per measurement")
+    parser.add_argument("--tag", default="", help="added to the file name (e.g. before, cpp)")
+    args = parser.parse_args()
+    rows = []
+    for check in ("full", "strict", "off"):
+        row = measure(check, args.device, args.n)
+        rows.append(row)
+        print(f"check={check:6s} holds() {row['guard_us']:8.2f} us   tracked {row['tracked_tensors']}")
+        for name, us in row.get("parts_us", {}).items():
+            print(f"    {name:26s} {us:8.2f} us")
+        if "guard_after_equal_write_us" in row:
+            print(f"    {'holds() after equal write':26s} {row['guard_after_equal_write_us']:8.2f} us")
+        if "replay_call_us" in row:
+            print(f"    whole call, synchronised {row['replay_call_us']:8.1f} us")
+    if args.device == "cuda":
+        from graphstep.demo.bench import gpu_slug
+
+        hardware, slug = torch.cuda.get_device_name(), gpu_slug(torch.cuda.get_device_name())
+    else:
+        hardware, slug = platform.processor() or platform.machine(), "cpu"
+    optimizer = "AdamW(capturable, foreach)" if args.device == "cuda" else "SGD(momentum=0.9, foreach)"
     result = {
-        "gpu": torch.cuda.get_device_name(),
+        "device": args.device,
+        "hardware": hardware,
         "torch": torch.__version__,
+        "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
-        "config": f"{N_LAYERS} x Linear(16,16) ({N_LAYERS * 2} parameter tensors), AdamW(capturable, foreach), "
-        "guard_us: median of StateGuard.holds() over 2000 calls; replay_call_us: median of a whole call "
-        "(copy input, guard, replay, clone loss) followed by torch.cuda.synchronize(), over 300 calls",
+        "config": f"{N_LAYERS} x Linear(16,16) ({N_LAYERS * 2} parameter tensors), {optimizer}; guard_us: "
+        f"lowest of {ROUNDS} medians of StateGuard.holds() over {args.n // ROUNDS} calls each; parts_us: each "
+        "part of holds() alone, timed the same way; replay_call_us (GPU): the same for a whole call (copy input, guard, replay, clone loss) followed "
+        "by torch.cuda.synchronize(), over 300 calls in all",
+        "cpp_helper": bool(rows[0].get("parts_us", {}).get("pointers_and_requires_grad_cpp")),
         "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{gpu_slug(torch.cuda.get_device_name())}_{result['date']}_guards.json"
+    tag = f"_{args.tag}" if args.tag else ""
+    path = out / f"{slug}_{result['date']}_guards{tag}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -112,6 +112,24 @@ def test_freezing_and_unfreezing_a_layer_captures_a_variant_and_names_the_parame
     assert (stats.captures, stats.variants, stats.variant_switches) == (2, 1, 1)
 
 
+def test_unfreezing_a_layer_that_never_trained_warms_up_before_capturing():
+    """Its optimizer state does not exist yet: the next step creates it, and a capture of that
+    step would replay the creation (momentum = grad) forever."""
+    twins = Twins(graphstep.Config(backend="recording", warmup_steps=1))
+    run(twins, {0: freeze(False), 2: freeze(True)})
+    assert twins.step.stats.captures == 2
+    assert twins.step.stats.warmup_calls == 2
+    # The same before a signature's first capture: its warm-up ran with the layer frozen.
+    twins = Twins(graphstep.Config(backend="recording", warmup_steps=1))
+    freeze(False)(twins)
+    twins.call(*batches(1, batch_size=2)[0], seed=0)  # warms up this signature
+    twins.call(*batches(1, batch_size=4)[0], seed=1)  # and another
+    freeze(True)(twins)
+    for i in range(2, 6):
+        twins.call(*batches(1, batch_size=2, seed=i)[0], seed=i)
+    assert twins.step.stats.warmup_calls == 3
+
+
 def test_dropout_p_changed_recaptures_and_names_it(caplog):
     twins = Twins()
 
@@ -123,6 +141,14 @@ def test_dropout_p_changed_recaptures_and_names_it(caplog):
     assert "model.drop.p: 0.1 -> 0.0" in caplog.text
     assert "model.drop.p: 0.0 -> 0.5" in caplog.text
     assert twins.step.stats.captures == 3  # writing the same value again is no change
+
+
+def test_a_submodule_without_parameters_replaced_recaptures(caplog):
+    twins = Twins()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {10: lambda t: t.both(lambda m, o: setattr(m, "drop", torch.nn.Dropout(0.6)))})
+    assert "a submodule was replaced" in caplog.text
+    assert twins.step.stats.captures == 2
 
 
 def test_model_float_attribute_read_in_forward_recaptures(caplog):
@@ -179,6 +205,21 @@ def test_dataclass_config_field_recaptures(caplog):
     assert "global 'CONFIG' in helpers_reads.py, field 'scale': 1.0 -> 0.25" in caplog.text
     assert "global 'CONFIG' in helpers_reads.py: now refers to another object" in caplog.text
     assert twins.step.stats.captures == 3
+
+
+def test_config_dataclass_kept_by_the_model_recaptures(caplog):
+    twins = Twins()
+    twins.both(lambda m, o: setattr(m, "config", helpers_reads.LossConfig()))
+
+    def forward(self, x):  # reads its own config
+        return TinyNet.forward(self, x) * self.config.scale
+
+    twins.model.forward = forward.__get__(twins.model)
+    twins.twin.forward = forward.__get__(twins.twin)
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, {14: lambda t: t.both(lambda m, o: setattr(m.config, "scale", 0.5))})
+    assert "model.config, field 'scale': 1.0 -> 0.5" in caplog.text
+    assert twins.step.stats.captures == 2
 
 
 def test_explain_points_out_unguarded_reads_and_the_steps_own_writes(twins):
@@ -301,6 +342,7 @@ MOVES = {
     "freeze": freeze(False),
     "unfreeze": freeze(True),
     "dropout": lambda t: t.both(lambda m, o: setattr(m.drop, "p", 0.3 if m.drop.p != 0.3 else 0.1)),
+    "new dropout": lambda t: t.both(lambda m, o: setattr(m, "drop", torch.nn.Dropout(0.6 - m.drop.p))),
     "temperature": lambda t: t.both(lambda m, o: setattr(m, "temperature", m.temperature * 0.9)),
     "global": lambda _: setattr(helpers_reads, "TEMPERATURE", helpers_reads.TEMPERATURE * 1.1),
     "module attribute": lambda _: setattr(helpers_reads, "LOSS_WEIGHT", 2.0 - helpers_reads.LOSS_WEIGHT),
@@ -328,3 +370,26 @@ def test_random_changes_always_equal_eager(calls):
             MOVES[move](twins)
         x, y = batches(1, batch_size=batch_size, seed=i)[0]
         twins.call(x, y, seed=i)
+
+
+def test_the_cpp_helper_sees_what_the_python_path_sees():
+    """Runs where the helper is built (GRAPHSTEP_BUILD_FASTCHECK=1, or built at install)."""
+    from graphstep import fastcheck
+
+    helper = fastcheck.helper()
+    if helper is None:
+        pytest.skip("the C++ guard helper is not built here")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    params = list(model.parameters())
+    model[1].bias.requires_grad_(False)
+    check = helper.TensorCheck(params, params[:3], params[3:])
+    assert check.holds()
+    model[0].weight.requires_grad_(False)
+    assert not check.holds()
+    model[0].weight.requires_grad_(True)
+    model[1].bias.requires_grad_(True)
+    assert not check.holds()
+    model[1].bias.requires_grad_(False)
+    assert check.holds()
+    model[0].bias.data = model[0].bias.data.clone()
+    assert not check.holds()

@@ -189,6 +189,7 @@ class ModuleWatch:
         self.training = [m.training for m in self.modules]
         self.skip = skip
         self.attrs = [self._attrs_of(m) for m in self.modules]
+        self.sizes = [len(m.__dict__) for m in self.modules]
         self.scan = scan
         # Classes that override __setattr__ may write without the barrier: scan those always.
         self.scanned = [i for i, m in enumerate(self.modules) if type(m).__setattr__ is not _setattr]
@@ -211,14 +212,16 @@ class ModuleWatch:
         return same(self.modules[i].__dict__.get(name, MISSING), was, by_value)
 
     def _module_holds(self, i: int) -> bool:
+        """A scan of one module: its mode, every recorded attribute, and no attribute added."""
         m = self.modules[i]
-        if m.training != self.training[i]:
+        d = m.__dict__
+        if m.training != self.training[i] or len(d) != self.sizes[i]:
             return False
-        recorded = self.attrs[i]
-        now = self._attrs_of(m)
-        if now.keys() != recorded.keys():
-            return False
-        return all(same(now[k][0], was, by_value) for k, (was, by_value) in recorded.items())
+        for k, (was, by_value) in self.attrs[i].items():
+            now = d.get(k, MISSING)
+            if now is not was and not (by_value and type(now) is type(was) and now == was):
+                return False
+        return True
 
     def holds(self) -> bool:
         """Cheap unless a watched module was written since the last check (or cannot be trusted)."""
@@ -252,8 +255,9 @@ class ModuleWatch:
                     found.append((f"{name}.{key}: {describe(was)} -> {describe(value)}", True))
                 else:
                     found.append((f"{name}.{key}: now refers to another object ({describe(value)})", False))
-        if not found:
+        if not found:  # nothing the graph depends on: adopt what was written
             self.dirty.clear()
+            self.sizes = [len(m.__dict__) for m in self.modules]
         return found
 
 

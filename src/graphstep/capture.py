@@ -25,11 +25,12 @@ from .diagnostics import StepStats, eager_fallback_message, log, too_many_graphs
 from .distributed import Agreement
 from .errors import ClosedError, GraphStepError, TooManyGraphsError
 from .guards import bindings
-from .lifecycle import Lifecycle, StepContext
+from .lifecycle import Lifecycle
 from .optim import OptimizerAdapter
 from .recording import RecordingBackend
 from .signature import Signature
 from .state import TrainingState, as_list
+from .step_context import StepContext
 
 _MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import barriers
+from . import barriers, fastcheck
 from .optim import baked_hyperparameters
 from .reads import ReadGuard, Reads
 from .state import TrainingState, follow, storage_paths
@@ -56,6 +56,9 @@ class Change:
     """The optimizer whose param-group hyperparameters changed (it could run eagerly instead)."""
     key: str | None = None
     """Which param-group key of `optimizer` changed."""
+    warm_up: bool = False
+    """Run the next call eagerly before capturing: it creates state lazily (a parameter unfrozen
+    that its optimizer holds no state for yet), which a capture would bake in as a first step."""
 
     def __str__(self) -> str:
         return self.text
@@ -125,6 +128,13 @@ def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[st
     for label, _, value in bindings(fn):
         if isinstance(value, torch.Tensor):
             yield label, value
+
+
+def trainable(state: TrainingState) -> list[bool]:
+    """Which parameters require grad. The lifecycle compares it between the last warm-up and the
+    capture: a parameter that starts training gets its optimizer state on its first step, and a
+    capture of that step would replay the creation (momentum = grad) forever."""
+    return [p.requires_grad for p in state.parameters()]
 
 
 def bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
@@ -214,9 +224,10 @@ class StateGuard:
         self.tensors = [t.tensor for t in checked if not t.path]
         self.wrapped = [(t.tensor, t.path) for t in checked if t.path]
         """Read again on every check: a DTensor's local shard can be swapped under it."""
-        self.ptrs = [t.meta[0] for t in checked]
         self.metas = [t.meta for t in checked]
-        self.indices = list(range(len(checked)))
+        self.ptrs = [t.meta[0] for t in checked if not t.path]
+        self.wrapped_ptrs = [t.meta[0] for t in checked if t.path]
+        self.indices = list(range(len(self.tensors)))
         self.param_names = _labelled_parameters(state, extra)
         self.param_names.update(
             (id(t.tensor), t.name) for t in self.tracked if id(t.tensor) not in self.param_names
@@ -232,12 +243,19 @@ class StateGuard:
         parameters += [p for _, m in extra for p in m.parameters() if not any(p is q for q in parameters)]
         self.requires_grad = [p for p in parameters if p.requires_grad]
         self.frozen = [p for p in parameters if not p.requires_grad]
+        helper = fastcheck.helper()
+        self.fast = helper.TensorCheck(self.tensors, self.requires_grad, self.frozen) if helper else None
+        """The same reads as `_tensors_hold()`, in C++, when the helper is built (see fastcheck.py)."""
         roots = state.named_modules_roots() + extra
         self.modules = barriers.ModuleWatch(
             [nm for prefix, root in roots for nm in _named(prefix, root)],
             scan=strict,
             skip=reads.module_writes,
         )
+        for name, attrs in zip(self.modules.names, self.modules.attrs):
+            for key, (value, by_value) in attrs.items():
+                if not by_value:  # a config dataclass kept as `self.config`, say
+                    self.reads.watch_fields(f"{name}.{key}", value)
         self.optimizers = [
             (
                 opt,
@@ -253,6 +271,8 @@ class StateGuard:
             for opt in graph_state.optimizers
         ]
         self.parameter_ids = [id(p) for p in state.parameters()]
+        self.roots = [root for _, root in roots]
+        self.module_ids = self._module_ids()
         self.state = state
 
     # -- the check on every replay ---------------------------------------------------------
@@ -279,14 +299,48 @@ class StateGuard:
             return False
         if self.fresh_grad_params and any(g is not None for g in map(_get_grad, self.fresh_grad_params)):
             return False
+        if self.fast is not None:
+            if not self.fast.holds():  # data pointers and requires_grad, in C++
+                return False
+        elif not self._tensors_hold():
+            return False
+        if self.wrapped and [_data_ptr(follow(t, path)) for t, path in self.wrapped] != self.wrapped_ptrs:
+            return False
+        if self.strict:
+            tensors = self.tensors + [follow(t, path) for t, path in self.wrapped]
+            return [_meta(t) for t in tensors] == self.metas
+        return True
+
+    def _tensors_hold(self) -> bool:
+        """The pure-Python path: one read per parameter and per plain tensor."""
         if not all(map(_get_requires_grad, self.requires_grad)) or any(map(_get_requires_grad, self.frozen)):
             return False
-        tensors = (
-            self.tensors + [follow(t, path) for t, path in self.wrapped] if self.wrapped else self.tensors
-        )
-        if tensors and not _same_data_ptrs(tensors, self.ptrs, self.indices):
-            return False
-        return not self.strict or [_meta(t) for t in tensors] == self.metas
+        return not self.tensors or _same_data_ptrs(self.tensors, self.ptrs, self.indices)
+
+    def breakdown(self) -> dict[str, Callable[[], Any]]:
+        """The parts of `holds()`, one callable each, to time them (benchmarks/guard_cost.py).
+        Keep in step with `holds()`."""
+        parts = {
+            "structure_epoch": lambda: self.epoch == barriers.structure_epoch,
+            "modules_modes_attributes": self.modules.holds,
+            "reads": self.reads.holds,
+            "optimizers": lambda: all(
+                opt.state is state and all(hyperparameters(g) == hyper for g, _, _, hyper in groups)
+                for opt, state, _, groups, _ in self.optimizers
+            ),
+            "grads": lambda: (
+                all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
+                and not any(g is not None for g in map(_get_grad, self.fresh_grad_params))
+            ),
+            "requires_grad_python": lambda: (
+                all(map(_get_requires_grad, self.requires_grad))
+                and not any(map(_get_requires_grad, self.frozen))
+            ),
+            "pointers_python": lambda: _same_data_ptrs(self.tensors, self.ptrs, self.indices),
+        }
+        if self.fast is not None:
+            parts["pointers_and_requires_grad_cpp"] = self.fast.holds
+        return parts
 
     def _restore_cleared_grads(self) -> bool:
         """Grads set to None between calls (`zero_grad()` outside the step): eager would start
@@ -314,7 +368,8 @@ class StateGuard:
             was = id(p) in requiring
             if p.requires_grad != was:
                 name = self.param_names.get(id(p), "a parameter")
-                found.append(Change(f"{name}: requires_grad {was} -> {p.requires_grad}", variant=True))
+                text = f"{name}: requires_grad {was} -> {p.requires_grad}"
+                found.append(Change(text, variant=True, warm_up=self._stateless(p)))
         found += [Change(text, variant) for text, variant in self.modules.changes()]
         found += self._optimizer_changes()
         found += [Change(text, variant) for text, variant in self.reads.changes()]
@@ -325,10 +380,17 @@ class StateGuard:
                         "a module's parameters were replaced or re-registered (setattr, load_state_dict(assign=True))"
                     )
                 )
+            elif self._module_ids() != self.module_ids:
+                found.append(
+                    Change("a submodule was replaced, added or removed (model.drop = nn.Dropout(...))")
+                )
             elif not found:
                 # Something was registered somewhere in the process, but not in this step's modules.
                 self.epoch = barriers.structure_epoch
         return found
+
+    def _module_ids(self) -> list[int]:
+        return [id(m) for root in self.roots for m in root.modules()]
 
     def _tensor_changes(self) -> list[Change]:
         found = []
@@ -386,6 +448,13 @@ class StateGuard:
                         )
                         found.append(Change(text, variant=True, optimizer=opt, key=key))
         return found
+
+    def _stateless(self, p: torch.Tensor) -> bool:
+        """`p` trains now, and an optimizer of the graph will create its state on the next step."""
+        return p.requires_grad and any(
+            not opt.state.get(p) and any(q is p for g in opt.param_groups for q in g["params"])
+            for opt, *_ in self.optimizers
+        )
 
     def _index(self, opt: torch.optim.Optimizer) -> int:
         return next(i for i, o in enumerate(self.state.optimizers) if o is opt)

@@ -21,102 +21,25 @@ import functools
 import itertools
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import segments
 from . import signature as sig
-from .backends import Backend, CudaGraphBackend, PartsRecording, Recording
-from .config import Config
-from .diagnostics import StepStats, capture_error, is_host_sync, log, stale_message
-from .distributed import Agreement, Phase, Ranks
+from .backends import CudaGraphBackend, PartsRecording, Recording
+from .diagnostics import capture_error, is_host_sync, log, stale_message
+from .distributed import Agreement, Phase
 from .errors import CaptureError, GraphStepError, HostSyncError, StaleGraphError
-from .guards import StateGuard
-from .optim import OptimizerAdapter
+from .guards import StateGuard, trainable
 from .profiling import ranged
 from .reads import ReadWatch
 from .signature import Signature
-from .state import Snapshot, TrainingState
+from .state import Snapshot
+from .step_context import StepContext
 from .verify import verify
 
 _clock = itertools.count(1)  # orders variants by last use
-
-
-@dataclasses.dataclass(eq=False)
-class StepContext:
-    """What every signature of one captured step shares."""
-
-    fn: Callable
-    name: str
-    config: Config
-    state: TrainingState
-    backend: Backend
-    optim: OptimizerAdapter
-    stats: StepStats
-    generators: list[torch.Generator]
-    ranks: Ranks | None
-    warmups_needed: int
-    graphs_alive: Callable[[], int]
-    eager_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
-    """Optimizers whose `step()` runs as an eager segment between graph replays."""
-    modes_epoch: int = 0
-    """Bumped when an optimizer moves to an eager segment: graphs captured before are out of date."""
-
-    def pool_is_free(self) -> bool:
-        """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
-        return self.backend.graphs == 0
-
-    def renew_pool_if_unused(self) -> None:
-        if self.pool_is_free():
-            self.backend.renew_pool()
-
-    def move_to_eager(self, optimizers: list[torch.optim.Optimizer], why: str) -> None:
-        for opt in optimizers:
-            if not any(opt is o for o in self.eager_optimizers):
-                self.eager_optimizers.append(opt)
-                log.warning(
-                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on; no re-capture "
-                    "will be needed when its hyperparameters change again. Why: %s",
-                    self.name,
-                    type(opt).__qualname__,
-                    why,
-                )
-        self.modes_epoch += 1
-
-    def choose_optimizer_modes(self) -> None:
-        """Before a capture, in `optimizer_mode="auto"`: an optimizer whose step will differ from
-        what a graph bakes runs as an eager segment from the start, rather than after a capture
-        that its first change would throw away. That is one whose step reads the host every call,
-        one whose state holds Python numbers (a custom optimizer's step counter, which no graph
-        would update), and one with a scheduler attached (torch's schedulers add `initial_lr`, and
-        `base_momentum` when they cycle momentum) that changes a value it bakes."""
-        if self.config.optimizer_mode != "auto":
-            return
-        for opt in self.state.optimizers:
-            if any(opt is o for o in self.eager_optimizers):
-                continue
-            why = self.optim.eager_only(opt)
-            if not why and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values()):
-                why = "its state holds Python numbers, which a graph would freeze"
-            for key in _scheduled_keys(opt):
-                if not why and not self.optim.can_stay_in_graph(opt, key):
-                    why = f"a scheduler changes {key!r}, which it reads as a Python number"
-            if why:
-                self.move_to_eager([opt], why)
-
-    def optimizers_to_move(self, changes: list) -> list[torch.optim.Optimizer]:
-        """Optimizers whose baked hyperparameters are among `changes` and that may move to an
-        eager segment (`optimizer_mode="auto"`)."""
-        if self.config.optimizer_mode != "auto":
-            return []
-        found = [getattr(c, "optimizer", None) for c in changes]
-        return [opt for opt in found if opt is not None]
-
-    def run_eager(self, args: tuple, kwargs: dict) -> Any:
-        self.stats.eager_calls += 1
-        return sig.detached(self.fn(*args, **kwargs))
 
 
 @dataclasses.dataclass(eq=False)
@@ -162,6 +85,8 @@ class Lifecycle:
         self.recaptures = 0
         self.stale = False
         """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
+        self.trainable: list[bool] | None = None
+        """`guards.trainable` after the last warm-up."""
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
 
@@ -173,7 +98,9 @@ class Lifecycle:
             return Plan(Phase.EAGER, "stale")
         current = self.current
         if current is None:
-            ready = self.warmups >= ctx.warmups_needed
+            # Capture only while requires_grad is as at the last warm-up: a layer unfrozen since
+            # has optimizer state still to be created, which a capture would bake in.
+            ready = self.warmups >= ctx.warmups_needed and trainable(ctx.state) == self.trainable
             return Plan(Phase.CAPTURE, "capture") if ready else Plan(Phase.EAGER, "warm")
         if current.modes_epoch != ctx.modes_epoch:
             return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
@@ -188,13 +115,18 @@ class Lifecycle:
                 self.current = variant
                 ctx.stats.variant_switches += 1
                 return Plan(Phase.REPLAY, "replay")
-        if ctx.optim.state_layout() != current.optimizer_layout:
-            # Optimizer state was replaced by one of another layout (loaded empty, say): a capture
-            # now would record the lazy first step forever. Warm up once more first.
+        if ctx.optim.state_layout() != current.optimizer_layout or any(
+            getattr(c, "warm_up", False) for c in changes
+        ):
+            # Optimizer state was replaced by one of another layout (loaded empty, say), or will be
+            # created lazily (a layer unfrozen): a capture now would record that first step forever.
+            # Warm up once more first.
             return Plan(Phase.EAGER, "rewarm", texts)
         movable = ctx.optimizers_to_move(changes)
         if movable:
-            ctx.move_to_eager(movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts))
+            ctx.move_to_eager(
+                movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts)
+            )
             return Plan(Phase.CAPTURE, "switch", texts)
         if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
             return Plan(Phase.CAPTURE, "variant", texts)
@@ -211,8 +143,8 @@ class Lifecycle:
         if agreed.phase is Phase.EAGER:
             if plan.kind == "rewarm":
                 log.warning(
-                    "graphstep: %s: optimizer state of another layout was loaded; one more warm-up, then "
-                    "a capture:\n%s",
+                    "graphstep: %s: optimizer state changes its layout (loaded, or created for a layer "
+                    "that trains again); one more warm-up, then a capture:\n%s",
                     ctx.name,
                     _listed(plan.changes),
                 )
@@ -260,6 +192,7 @@ class Lifecycle:
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
         self.segment_results = watch.seen
+        self.trainable = trainable(ctx.state)
         self.warmups += 1
         ctx.stats.warmup_calls += 1
         ctx.stats.warmup_s += time.perf_counter() - start
@@ -476,15 +409,6 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     return Variant(
         recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes_epoch
     )
-
-
-def _scheduled_keys(opt: torch.optim.Optimizer) -> list[str]:
-    """The keys a torch LR scheduler attached to `opt` will change (see `choose_optimizer_modes`)."""
-    group = opt.param_groups[0] if opt.param_groups else {}
-    keys = ["lr"] if "initial_lr" in group else []
-    if "base_momentum" in group:  # OneCycleLR / CyclicLR with cycle_momentum=True
-        keys.append("momentum" if "momentum" in group else "betas[0]")
-    return keys
 
 
 _HOST_SYNC = 2

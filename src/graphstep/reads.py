@@ -196,6 +196,9 @@ class ReadWatch:
         self._namespaces: dict[tuple[int, str], tuple[dict, str]] = {}
         self._written_globals: set[tuple[int, str]] = set()
         self._closures: dict[types.CodeType, set[tuple[int, ...]]] = {}
+        """Codes of closures that ran, with the ids of their cells' contents in each run."""
+        self._found: dict[types.CodeType, list[types.FunctionType]] = {}
+        """Functions of those runs, found where their caller holds them."""
         self._module_writes: set[tuple[int, str]] = set()
         self._previous: Any = None
         self._chain: Callable | None = None
@@ -240,7 +243,11 @@ class ReadWatch:
         if user and code in self._closures:
             local = frame.f_locals
             values = tuple(id(local.get(n, MISSING)) for n in code.co_freevars)
-            self._closures[code].add(values)
+            if values not in self._closures[code]:
+                self._closures[code].add(values)
+                found = _caller_function(frame, code, values)
+                if found is not None:
+                    self._found.setdefault(code, []).append(found)
 
     def _first_call(self, frame: types.FrameType, code: types.CodeType) -> None:
         facts = _facts(code)
@@ -263,9 +270,15 @@ class ReadWatch:
         reads.module_writes = frozenset(self._module_writes)
         if not self._closures:
             return
-        # A frame does not know its function object: find the functions running these codes.
-        functions: dict[types.CodeType, list[types.FunctionType]] = {c: [] for c in self._closures}
-        for ref in gc.get_referrers(*self._closures):
+        # A frame does not know its function object. Most were found in their caller's names;
+        # the others are looked for among every object (one pass over the heap, tens of ms).
+        functions = {
+            c: self._found[c] for c in self._closures if len(self._found.get(c, ())) == len(self._closures[c])
+        }
+        lost = [c for c in self._closures if c not in functions]
+        for c in lost:
+            functions[c] = []
+        for ref in gc.get_referrers(*lost) if lost else ():
             if isinstance(ref, types.FunctionType) and ref.__code__ in functions:
                 functions[ref.__code__].append(ref)
         seen_cells: set[int] = set()
@@ -284,6 +297,25 @@ class ReadWatch:
                         reads.written.append(label)
                     else:
                         reads.cells.append((label, cell))
+
+
+def _caller_function(frame: types.FrameType, code: types.CodeType, values: tuple[int, ...]) -> Any:
+    """The function running in `frame`, if its caller holds it by a name (a local, a closure
+    variable, a global, a bound method or a partial there); None otherwise."""
+    caller = frame.f_back
+    if caller is None:
+        return None
+    candidates = [*caller.f_locals.values(), frame.f_globals.get(code.co_name)]
+    for value in candidates:
+        fn = value.__func__ if isinstance(value, types.MethodType) else value
+        fn = fn.func if isinstance(fn, functools.partial) else fn
+        if (
+            isinstance(fn, types.FunctionType)
+            and fn.__code__ is code
+            and tuple(id(_contents(c)) for c in fn.__closure__ or ()) == values
+        ):
+            return fn
+    return None
 
 
 def _contents(cell: types.CellType) -> Any:
@@ -352,6 +384,12 @@ class ReadGuard:
         return [(label, value) for label, _, _, value, _ in self.globals] + [
             (label, value) for label, _, value, _ in self.cells
         ]
+
+    def watch_fields(self, label: str, value: Any) -> None:
+        """Guard the fields of a dataclass instance held elsewhere (a module's `self.config`):
+        nothing else sees a write to them."""
+        if _plain_fields(value) and all(value is not obj for _, obj, _, _ in self.fields):
+            self._add_fields(label, value, depth=0)
 
     def _add_fields(self, label: str, value: Any, depth: int) -> None:
         if is_simple(value) or value is MISSING or isinstance(value, _IDENTITY_OK):
