@@ -1,23 +1,41 @@
-# make test: set up .venv on a fresh machine and run the CPU test suite.
+# make test: set up .venv and run the CPU test suite (what CI runs).
 # make demo: train the built-in GPT eagerly and with graphstep, side by side.
 # make bench: every method side by side on the GPU (writes benchmarks/results/).
+#
+# Which torch: if $(PY) already imports torch >= 2.6 (a CUDA build on a GPU machine, a conda or venv
+# Python), .venv uses that torch: a .pth file adds the site-packages folder holding it (as
+# `venv --system-site-packages` would, and also when $(PY) is itself a venv). Nothing is installed over
+# it. Otherwise .venv gets the pinned CPU build $(TORCH_CPU). `make clean` to start over.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TORCH_CPU := torch==2.13.0
+TORCH_CPU ?= torch==2.13.0
+# Optional frameworks the integration tests and examples use (skipped when absent): `make test EXTRAS=test,bench`
+# leaves them out.
+EXTRAS ?= test,bench,lightning,huggingface
+TORCH_OK := import sys, torch; sys.exit(tuple(int(v) for v in torch.__version__.split('+')[0].split('.')[:2]) < (2, 6))
+TORCH_SITE := import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))
+VENV_SITE := import sysconfig; print(sysconfig.get_path('purelib'))
+TORCH_SAYS := import torch; print(f'make: torch {torch.__version__} ({\"CUDA \" + torch.version.cuda if torch.version.cuda else \"CPU build\"}) from {torch.__path__[0]}')
 
 .PHONY: setup test demo bench lint gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
+	@if $(PY) -c "$(TORCH_OK)" 2>/dev/null; then \
+		site=$$($(PY) -c "$(TORCH_SITE)") && \
+		echo "$$site" > "$$($(BIN)/python -c "$(VENV_SITE)")/graphstep_system_torch.pth" && \
+		echo "make: .venv uses the torch of $(PY), in $$site"; \
+	fi
 
 # Install torch only when none is importable: a bare `pip install torch` would pull a multi-GB CUDA build.
 setup: $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e ".[test,bench]"
+	@$(BIN)/python -c "$(TORCH_OK)" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
+	@$(BIN)/python -c "$(TORCH_SAYS)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 
 test: setup
-	$(BIN)/python -m ruff check src tests
+	$(BIN)/python -m ruff check src tests examples
 	$(BIN)/python -m pytest -q
 
 demo: setup
@@ -27,8 +45,8 @@ bench: setup
 	$(BIN)/graphstep bench
 
 lint: setup
-	$(BIN)/python -m ruff check src tests
-	$(BIN)/python -m ruff format --check src tests
+	$(BIN)/python -m ruff check src tests examples
+	$(BIN)/python -m ruff format --check src tests examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

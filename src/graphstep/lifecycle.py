@@ -392,7 +392,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
         recording.grads_after = [(p, p.grad) for p in params]
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     guard = None
-    if ctx.config.check != "off":
+    if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
         guard = StateGuard(
             ctx.state,
             ctx.fn,

@@ -1,0 +1,159 @@
+"""Hugging Face: a `transformers.Trainer` whose training step runs captured, and a plain `accelerate` loop.
+
+    from graphstep.integrations.huggingface import GraphStepTrainer
+    trainer = GraphStepTrainer(model=model, args=TrainingArguments(...), train_dataset=data)
+    trainer.train()
+
+**`GraphStepTrainer`** is a `transformers.Trainer` whose `training_step` (one micro-batch: forward, loss
+normalised for gradient accumulation, `accelerator.backward`) runs as a captured step. Everything the
+Trainer does around it is left as the Trainer does it, eagerly: gradient accumulation over
+`gradient_accumulation_steps` micro-batches, `max_grad_norm` clipping, `optimizer.step()`, the scheduler,
+`model.zero_grad()`, logging of the returned loss, evaluation. So one optimizer update is one or more
+graph replays (forward and backward, the bulk of the kernels) plus an eager optimizer step: a fused
+optimizer (transformers' default `adamw_torch_fused`) keeps that short. The Trainer runs the optimizer
+step in its own loop, outside `training_step`; capturing it too would mean copying that loop.
+
+To make the gradients the graph accumulates into live across calls, the Trainer's `model.zero_grad()`
+zeroes them in place (`set_to_none=False`) instead of dropping them; the numbers are the same.
+What the step's Python reads and a graph would bake is made part of its key: the number of
+micro-batches in this update (smaller at the end of an epoch) and whether gradients are synchronised
+(the last micro-batch under DDP), so each combination gets its own graph. The inputs are moved to the
+device before the captured call, so a replay copies device tensors, never pageable host memory.
+
+**`capture_accelerated(accelerator, fn, ...)`** captures the step of a plain `accelerate` loop: it passes
+the optimizers inside accelerate's `AcceleratedOptimizer` wrappers to `graphstep.capture`, where
+graphstep can prepare them (capturable, lr as a device tensor). Write the step as usual, with
+`accelerator.backward(loss)`, `accelerator.clip_grad_norm_(...)`, `optimizer.step()`,
+`optimizer.zero_grad()`; accumulate gradients inside the step (a loop over micro-batches) rather than
+with `accelerator.accumulate`, whose step counter is a Python number a graph would bake.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..capture import CapturedStep, capture
+from ..config import Config
+from ..diagnostics import StepStats
+
+__all__ = ["GraphStepTrainer", "capture_accelerated"]  # noqa: F822 (GraphStepTrainer: module __getattr__)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "graphstep.integrations.huggingface needs transformers: pip install 'graphstep[huggingface]'."
+        ) from exc
+    return transformers
+
+
+class _GraphStepTrainerMixin:
+    """The behaviour of `GraphStepTrainer`; put on `transformers.Trainer` by `__getattr__` below."""
+
+    graphstep_config: Config | None = None
+    """The `graphstep.Config` of the captured step (None: the default)."""
+
+    def __init__(self, *args: Any, graphstep_config: Config | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphstep_config = graphstep_config
+        self.graphstep_step: CapturedStep | None = None
+        """The captured `training_step`, made on the first call; closed when `train` returns."""
+        self.graphstep_stats: StepStats | None = None
+        """The captured step's counters (warm-ups, captures, replays), kept when `train` returns."""
+        self._graphstep_model: torch.nn.Module | None = None
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        if self.graphstep_step is None or model is not self._graphstep_model:
+            if self.graphstep_step is not None:  # the Trainer wrapped the model anew (a second train())
+                self.graphstep_step.close()
+            self.graphstep_step, self._graphstep_model = self._make_graphstep(model), model
+        _keep_grads(model)
+        model.train()  # training_step does it first; done here, the mode a replay checks is right
+        inputs = self._prepare_inputs(inputs)
+        # Python values the step reads: part of the key, so that each value gets its own graph.
+        micro_batches = self.current_gradient_accumulation_steps
+        sync = bool(self.accelerator.sync_gradients)
+        return self.graphstep_step(inputs, num_items_in_batch, micro_batches, sync)
+
+    def _make_graphstep(self, model: torch.nn.Module) -> CapturedStep:
+        parent = super()
+
+        def training_step(
+            inputs: dict[str, Any], num_items: Any, micro_batches: int, sync: bool
+        ) -> torch.Tensor:
+            self.current_gradient_accumulation_steps = micro_batches
+            return parent.training_step(model, inputs, num_items)
+
+        training_step.__qualname__ = f"{type(self).__name__}.training_step"
+        return capture(training_step, model=model, config=self.graphstep_config)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.graphstep_step is not None:
+                self.graphstep_stats = self.graphstep_step.stats
+                self.graphstep_step.close()
+                self.graphstep_step = None
+
+
+def _keep_grads(model: torch.nn.Module) -> None:
+    """Make `model.zero_grad()` zero gradients in place: the graph accumulates into the same tensors."""
+    if "zero_grad" not in model.__dict__:
+        model.zero_grad = functools.partial(type(model).zero_grad, model, set_to_none=False)
+
+
+def capture_accelerated(
+    accelerator: Any,
+    fn: Callable | None = None,
+    *,
+    model: torch.nn.Module | list[torch.nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    config: Config | None = None,
+) -> Any:
+    """`graphstep.capture` for a step of a plain `accelerate` loop (see the module's docstring).
+
+    `model` and `optimizer` as `accelerator.prepare` returned them; the optimizers inside accelerate's
+    wrappers are what graphstep prepares and guards. Usable as a decorator:
+    `@capture_accelerated(accelerator, model=model, optimizer=opt)`.
+    """
+    if fn is None:
+        return functools.partial(
+            capture_accelerated, accelerator, model=model, optimizer=optimizer, config=config
+        )
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else []
+    inner = [getattr(o, "optimizer", o) for o in optimizers]  # AcceleratedOptimizer.optimizer
+    modules = model if isinstance(model, (list, tuple)) else [model] if model is not None else None
+
+    # graphstep looks for optimizers in the step's closure and would find accelerate's wrapper, which
+    # it cannot prepare (it skips Optimizer.__init__). Called through this function, the step's own
+    # closure is not searched: the optimizers inside the wrappers are given explicitly instead.
+    @functools.wraps(fn)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    del step.__wrapped__  # keep graphstep's closure search on `step` itself
+    return capture(step, model=modules, optimizer=inner or None, config=config)
+
+
+_classes: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GraphStepTrainer":
+        if name not in _classes:
+            _classes[name] = type(
+                "GraphStepTrainer",
+                (_GraphStepTrainerMixin, _transformers().Trainer),
+                {"__doc__": __doc__, "__module__": __name__},
+            )
+        return _classes[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
