@@ -410,10 +410,10 @@ class _OptimizerWatch:
     Python hyperparameters (tensors in a group are read live by the graph)."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], everyone: list[torch.optim.Optimizer]):
-        self.labels = [
-            "optimizer" if len(everyone) == 1 else f"optimizer[{i}]" for i, o in enumerate(everyone)
-        ]
-        self.labels = [next(lb for lb, o in zip(self.labels, everyone) if o is opt) for opt in optimizers]
+        named = {
+            id(o): "optimizer" if len(everyone) == 1 else f"optimizer[{i}]" for i, o in enumerate(everyone)
+        }
+        self.labels = [named[id(opt)] for opt in optimizers]
         self.optimizers = [
             (
                 opt,
