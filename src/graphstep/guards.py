@@ -19,8 +19,9 @@ holds:
   `model.fc = nn.Linear(...)`): a global registration hook bumps an epoch counter.
 
 Cost per replay: module modes and attributes through a write barrier (free unless a watched
-module was written), one pass each over the tensors' data pointers and over the parameters'
-`requires_grad`, and a few reads per optimizer group and per global the step read. Names and
+module was written), one pass over the tensors' data pointers and the parameters' `requires_grad`
+(in C++ when the helper of `fastcheck.py` is built: ~10 us instead of ~120 us for 1,000
+parameters), and a few reads per optimizer group and per global the step read. Names and
 reasons are only worked out once something changed (`changes()`, a list of `Change`).
 Strong references are held, so memory a graph uses can never be freed under it.
 """
@@ -267,15 +268,11 @@ class StateGuard:
 
     def holds(self) -> bool:
         """True when a replay would do what eager would. Cheap; no messages. Grads the user set to
-        None between calls are re-attached (zeroed) here rather than reported."""
+        None between calls are re-attached (zeroed) here rather than reported, last, once all else
+        holds: probing the guard of a graph that does not fit has no side effect."""
         if self.epoch != barriers.structure_epoch:
             return False
-        if not self.modules.holds() or not self.reads.holds():
-            return False
-        if not self.optimizers.holds():
-            return False
-        grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
-        if not grads_kept and not self._restore_cleared_grads():
+        if not self.modules.holds() or not self.reads.holds() or not self.optimizers.holds():
             return False
         if self.fresh_grad_params and any(g is not None for g in map(_get_grad, self.fresh_grad_params)):
             return False
@@ -288,8 +285,10 @@ class StateGuard:
             return False
         if self.strict:
             tensors = self.tensors + [follow(t, path) for t, path in self.wrapped]
-            return [_meta(t) for t in tensors] == self.metas
-        return True
+            if [_meta(t) for t in tensors] != self.metas:
+                return False
+        grads_kept = not self.grads or all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
+        return grads_kept or self._restore_cleared_grads()
 
     def _tensors_hold(self) -> bool:
         """The pure-Python path: one read per parameter and per plain tensor."""
