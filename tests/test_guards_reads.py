@@ -409,9 +409,9 @@ def test_probing_a_guard_that_fails_has_no_side_effect():
     )
     buffers = [p.grad for p in model.parameters()]
     opt.zero_grad(set_to_none=True)
-    model.eval()
+    model.fc2.bias.requires_grad_(False)  # checked after modes, optimizers and reads
     assert not guard.holds()
     assert all(p.grad is None for p in model.parameters())
-    model.train()
+    model.fc2.bias.requires_grad_(True)
     assert guard.holds()
     assert all(p.grad is b and not b.any() for p, b in zip(model.parameters(), buffers))
