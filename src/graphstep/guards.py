@@ -308,11 +308,11 @@ class StateGuard:
                 all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
                 and not any(g is not None for g in map(_get_grad, self.fresh_grad_params))
             ),
-            "requires_grad_python": lambda: (
+            "requires_grad": lambda: (
                 all(map(_get_requires_grad, self.requires_grad))
                 and not any(map(_get_requires_grad, self.frozen))
             ),
-            "pointers_python": lambda: _same_data_ptrs(self.tensors, self.ptrs, self.indices),
+            "pointers": lambda: _same_data_ptrs(self.tensors, self.ptrs, self.indices),
         }
         if self.fast is not None:
             parts["pointers_and_requires_grad_cpp"] = self.fast.holds
