@@ -393,3 +393,26 @@ def test_the_cpp_helper_sees_what_the_python_path_sees():
     assert check.holds()
     model[0].bias.data = model[0].bias.data.clone()
     assert not check.holds()
+
+
+def test_probing_a_guard_that_fails_has_no_side_effect():
+    """The lifecycle may probe the guard of every graph variant; only the one that holds may
+    re-attach its grad buffers to parameters whose grads the user set to None."""
+    torch.manual_seed(0)
+    model = ReadNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = batches(1)[0]
+    LOSS(model(x), y).backward()  # grads exist before the step and outlive it: accumulation
+    grads_before = [(p, p.grad) for p in model.parameters()]
+    LOSS(model(x), y).backward()
+    guard = StateGuard(
+        TrainingState([model], [opt]), make_step(model, opt), strict=False, grads_before=grads_before
+    )
+    buffers = [p.grad for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    model.fc2.bias.requires_grad_(False)  # checked after modes, optimizers and reads
+    assert not guard.holds()
+    assert all(p.grad is None for p in model.parameters())
+    model.fc2.bias.requires_grad_(True)
+    assert guard.holds()
+    assert all(p.grad is b and not b.any() for p, b in zip(model.parameters(), buffers))
