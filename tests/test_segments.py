@@ -253,3 +253,26 @@ def test_a_library_that_syncs_only_when_not_capturing_is_captured():
     for x, y in batches(6):
         captured(x, y)
     assert captured.stats.captures == 1 and captured.stats.replays == 3
+
+
+def test_grads_a_step_leaves_behind_are_there_after_every_replay():
+    """The step does forward and backward; the optimizer step and zero_grad(set_to_none) run
+    outside it. Every replay must hand the optimizer its grads, as eager does."""
+    (m_e, o_e, _), (m_g, o_g, _) = twins(sgd)
+
+    def make(model):
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        return step
+
+    eager, step = make(m_e), graphstep.capture(make(m_g), model=m_g, optimizer=o_g, config=recording())
+    for i, (x, y) in enumerate(batches(10)):
+        for fn, opt in ((eager, o_e), (step, o_g)):
+            torch.manual_seed(i)
+            fn(x, y)
+            opt.step()
+            opt.zero_grad()
+    assert same_params(m_e, m_g) and step.stats.replays == 7

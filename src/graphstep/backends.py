@@ -48,13 +48,16 @@ class PartsRecording:
         self.cuda_graphs: list[torch.cuda.CUDAGraph] = []
         """The graphs of the parts, for a CUDA backend (their pool can be asked for)."""
         self.grads_after: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        """Each parameter's `.grad` as the capture left it: put back after a replay with segments,
-        which attach the grads they read."""
+        """`.grad`s as the capture left them, put back after every replay: the grads a step leaves
+        attached (its optimizer runs outside it) that the user set to None since; with segments,
+        which attach the grads they read, every parameter's."""
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
         parts = self.parts
         if not self.segments:
             parts[0]()
+            for p, g in self.grads_after:  # grads the step leaves attached, set to None since
+                p.grad = g
             return self.outputs
         for part, segment in zip(parts, self.segments):
             part()

@@ -387,9 +387,9 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
         if isinstance(error, GraphStepError) or not isinstance(error, Exception):
             raise error
         raise capture_error(ctx.name, error) from error
-    if isinstance(recording, PartsRecording) and captured["segments"]:
+    if isinstance(recording, PartsRecording):
         recording.segments = captured["segments"]
-        recording.grads_after = [(p, p.grad) for p in params]
+        recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     guard = None
     if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
