@@ -30,9 +30,9 @@ from . import segments
 from . import signature as sig
 from .backends import Backend, CudaGraphBackend, PartsRecording, Recording
 from .config import Config
-from .diagnostics import StepStats, capture_error, is_host_sync, log, stale_message
+from .diagnostics import StepStats, capture_error, log, stale_message
 from .distributed import Agreement, Phase, Ranks
-from .errors import CaptureError, GraphStepError, HostSyncError, StaleGraphError
+from .errors import GraphStepError, StaleGraphError
 from .guards import StateGuard
 from .optim import OptimizerAdapter
 from .profiling import ranged
@@ -270,15 +270,10 @@ class Lifecycle:
         except BaseException as exc:
             error = exc
         if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
-            failed = ctx.ranks.first_failure(_failure_code(error))
+            failed = ctx.ranks.capture_failure(ctx.name, error)
             if failed is not None and error is None:
                 recording.release()
-                rank, code = failed
-                error = (HostSyncError if code == _HOST_SYNC else CaptureError)(
-                    f"capturing {ctx.name} failed on rank {rank} (its error says why), and ranks capture "
-                    "together, so this rank dropped its graph too. Nothing was lost: the model, optimizer "
-                    "and inputs are as they were before this call."
-                )
+                error = failed
         if error is not None:
             snapshot.restore()
             for variant in replaced:
@@ -458,15 +453,6 @@ class Lifecycle:
         ]
         if python_state:
             ctx.move_to_eager(python_state, "its state holds Python numbers, which a graph would freeze")
-
-
-_HOST_SYNC = 2
-
-
-def _failure_code(error: BaseException | None) -> int:
-    if error is None:
-        return 0
-    return _HOST_SYNC if isinstance(error, HostSyncError) or is_host_sync(error) else 1
 
 
 def _listed(changes: tuple[str, ...]) -> str:
