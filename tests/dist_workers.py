@@ -135,16 +135,21 @@ def train_pair(
     return report
 
 
-def one_rank_changes(rank: int, size: int, *, change: str, steps: int = 12, max_recaptures: int = 4) -> dict:
+def one_rank_changes(
+    rank: int, size: int, *, change: str, steps: int = 12, max_recaptures: int = 4, max_graphs: int = 8
+) -> dict:
     """After 6 steps, only rank 1 changes something: moves a parameter ("move"), or calls with
     a new batch shape that must warm up first ("shape"). With `max_recaptures=0` a move puts
-    both ranks past the limit: both run eagerly from then on. Plain per-rank models, no collectives
-    in the step, so the recording backend can stand in for graphs on CPU."""
+    both ranks past the limit: both run eagerly from then on; with `max_graphs=1` the new shape
+    runs eagerly on rank 1 (and so on rank 0 too). Plain per-rank models, no collectives in the
+    step, so the recording backend can stand in for graphs on CPU."""
     device = _device(rank)
     config = graphstep.Config(
         backend="recording" if device.type == "cpu" else "cuda",
         max_recaptures=max_recaptures,
         on_recapture_limit="eager",
+        max_graphs=max_graphs,
+        on_too_many_graphs="eager",
     )
     results = []
     for graphed in (False, True):
@@ -242,6 +247,26 @@ def _mlp(device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(device)
 
 
+def _ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP, on CUDA constructed on graphstep's capture stream (see demo/parallel.py)."""
+    if device.type != "cuda":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    stream = graphstep.capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return ddp
+
+
+def _mlp_data(n: int, device: torch.device) -> list:
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return [
+        (torch.randn(4, 8, generator=g).to(device), torch.randn(4, 1, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
 def _calls_until_error(step, data: list, before_call=None, *, go_on: bool = False) -> dict:
     """Call `step` on each batch until one raises; the errors of every rank are compared. With
     `go_on`, a rank catches its first error and calls again (as a loop skipping a batch after an
@@ -281,7 +306,7 @@ def one_rank_raises(
     to all-reduce gradients with it) or "after" it (the others finish their step). After its
     error, the failing rank calls once more (`go_on="failing"`), or every rank does ("all")."""
     device = _device(rank)
-    model = torch.nn.parallel.DistributedDataParallel(_mlp(device))
+    model = _ddp(_mlp(device), device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     runs = iter(range(1, 1000))
 
@@ -298,7 +323,7 @@ def one_rank_raises(
         return loss.detach()
 
     captured = graphstep.capture(step, model=model, optimizer=opt)
-    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(call + 3)]
+    data = _mlp_data(call + 3, device)
     going_on = go_on == "all" or rank == failing
     return _finish(_calls_until_error(captured, data, go_on=going_on), captured)
 
@@ -306,7 +331,7 @@ def one_rank_raises(
 def one_more_collective(rank: int, size: int, *, extra_on: int, when: str, graphs: str) -> dict:
     """Gradients all-reduced by hand; rank `extra_on` all-reduces one tensor more, on every call
     (`when="always"`: found at the first warm-up) or only while capturing ("capture"). `graphs`:
-    the backend, "recording" or "eager"."""
+    the backend: "recording" or "eager" on CPU, "cuda"."""
     device = _device(rank)
     model = _mlp(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -320,13 +345,13 @@ def one_more_collective(rank: int, size: int, *, extra_on: int, when: str, graph
         for p in model.parameters():
             dist.all_reduce(p.grad)
         if rank == extra_on and (when == "always" or capturing):
-            dist.all_reduce(torch.ones(1))  # the branch only one rank takes
+            dist.all_reduce(torch.ones(1, device=device))  # the branch only one rank takes
         opt.step()
         opt.zero_grad()
         return loss.detach()
 
     captured = graphstep.capture(step, model=model, optimizer=opt, config=config)
-    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(6)]
+    data = _mlp_data(6, device)
     return _finish(_calls_until_error(captured, data), captured)
 
 
@@ -340,7 +365,7 @@ def one_rank_exits(rank: int, size: int, *, leaving: int, after: int) -> dict:
     step = graphstep.capture(
         _plain_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
     )
-    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(after + 3)]
+    data = _mlp_data(after + 3, device)
 
     def before_call(i: int) -> None:
         if rank == leaving and i == after:
@@ -360,7 +385,7 @@ def one_rank_is_late(rank: int, size: int, *, late: int, after: int, sleep: floa
     step = graphstep.capture(
         _plain_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
     )
-    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(after + 3)]
+    data = _mlp_data(after + 3, device)
 
     def before_call(i: int) -> None:
         if rank == late and i == after:
@@ -378,3 +403,27 @@ def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
         return loss.detach()
 
     return step
+
+
+def agree_at_random(rank: int, size: int, *, calls: int = 300) -> list:
+    """Each rank votes a random phase and limit (all ranks can compute everyone's from the seed):
+    what `Ranks.agree` returned, with what it should have."""
+    import random
+
+    from graphstep.distributed import Agreement, Phase, Ranks
+
+    ranks = Ranks(dist.group.WORLD)
+    wrong = []
+    for call in range(calls):
+        votes = [
+            random.Random(call * 1000 + r).choice([(p, lim) for p in Phase for lim in (0, 1)])
+            for r in range(size)
+        ]
+        lowest = min(p for p, _ in votes)
+        held = max((r for r, (p, _) in enumerate(votes) if p < Phase.REPLAY), default=None)
+        capped = max((r for r, (_, lim) in enumerate(votes) if lim), default=None)
+        expected = Agreement(lowest, held, capped)
+        got = ranks.agree(votes[rank][0], bool(votes[rank][1]))
+        if got != expected:
+            wrong.append((call, got, expected))
+    return [ranks.board.name, wrong[:3]]

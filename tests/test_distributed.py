@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import graphstep
 from dist_workers import (
+    agree_at_random,
     destroy_with_open_step,
     dtensor_shard_replaced,
     leave_step_open,
@@ -112,6 +113,24 @@ def test_destroy_process_group_closes_live_steps_first():
 def test_a_step_left_open_does_not_hang_exit():
     reports = run_ranks(leave_step_open, 2, kind="ddp", destroy=False)
     assert [r["graphs"] for r in reports] == [1, 1]
+
+
+def test_a_rank_past_max_graphs_runs_eagerly_and_the_others_with_it():
+    """Rank 1's new shape finds no room (max_graphs=1): it runs eagerly, and it still votes, so
+    rank 0 steps eagerly with it instead of replaying alone."""
+    reports = run_ranks(one_rank_changes, 2, change="shape", max_graphs=1)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+    rank0, rank1 = (r["stats"] for r in reports)
+    assert rank0["eager_calls"] == rank1["eager_calls"] == 6 and rank0["captures"] == rank1["captures"] == 1
+
+
+@pytest.mark.parametrize("vote", ["shm", "gloo"])
+def test_both_votes_agree_on_the_least_advanced_phase(vote):
+    reports = run_ranks(agree_at_random, 3, env=_vote_env(vote))
+    for board, wrong in reports:
+        assert board == {"shm": "shared memory", "gloo": "gloo"}[vote]
+        assert wrong == [], wrong
 
 
 # -- no rank left hanging, mismatched collectives (4 ranks) -------------------------------------
