@@ -1,8 +1,8 @@
 """Step time of the demo GPT under DDP, FSDP2 and tensor parallelism: eager, a hand-written
 whole-step `torch.cuda.graph`, and graphstep, side by side on the same GPUs in one run.
 
-Also times the vote graphstep holds before every call of a distributed step (one gloo
-all-reduce of three integers). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
+Also times the vote graphstep holds before every call of a distributed step (`Ranks.agree`:
+shared memory on one host, see benchmarks/vote_cost.py). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
 Run: `torchrun --nproc_per_node 2 benchmarks/distributed.py [--steps 100] [--out DIR]`.
 """
 
@@ -49,12 +49,14 @@ def ms_per_step(run, data: list, warmup: int) -> float:
     return (time.perf_counter() - start) * 1e3 / (len(data) - warmup)
 
 
-def vote_us(n: int = 2000) -> float:
+def vote_us(method: str, n: int = 2000) -> float:
+    """Median host time of the vote, through shared memory ("shm") or a gloo all-reduce ("gloo")."""
+    os.environ["GRAPHSTEP_VOTE"] = "gloo" if method == "gloo" else ""
     ranks = Ranks(dist.group.WORLD)
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        ranks.agree(Phase.REPLAY, False, False)
+        ranks.agree(Phase.REPLAY, False)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
@@ -94,13 +96,13 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
-    vote = vote_us()
+    vote = {method: vote_us(method) for method in ("shm", "gloo")}
     if rank == 0:
         write(rows, vote, size, args)
     dist.destroy_process_group()
 
 
-def write(rows: list, vote: float, size: int, args: argparse.Namespace) -> None:
+def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespace) -> None:
     result = {
         "gpu": torch.cuda.get_device_name(),
         "gpus": size,
@@ -114,7 +116,7 @@ def write(rows: list, vote: float, size: int, args: argparse.Namespace) -> None:
             "column-wise, proj/fc_out row-wise, the rest replicated DTensors"
         ),
         "rows": rows,
-        "vote_us_median": round(vote, 1),
+        "vote_us_median": {method: round(us, 1) for method, us in vote.items()},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +135,11 @@ def write(rows: list, vote: float, size: int, args: argparse.Namespace) -> None:
         f"{r['speedup_vs_eager']}x | {r['graphstep_vs_hand_written']} |"
         for r in rows
     ]
-    lines += ["", f"graphstep's vote before each call (gloo all-reduce, median): {vote:.1f} µs"]
+    lines += [
+        "",
+        f"graphstep's vote before each call (median): shared memory {vote['shm']:.1f} µs, "
+        f"gloo all-reduce {vote['gloo']:.1f} µs",
+    ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md", flush=True)
 

@@ -135,16 +135,21 @@ def train_pair(
     return report
 
 
-def one_rank_changes(rank: int, size: int, *, change: str, steps: int = 12, max_recaptures: int = 4) -> dict:
+def one_rank_changes(
+    rank: int, size: int, *, change: str, steps: int = 12, max_recaptures: int = 4, max_graphs: int = 8
+) -> dict:
     """After 6 steps, only rank 1 changes something: moves a parameter ("move"), or calls with
     a new batch shape that must warm up first ("shape"). With `max_recaptures=0` a move puts
-    both ranks past the limit: both run eagerly from then on. Plain per-rank models, no collectives
-    in the step, so the recording backend can stand in for graphs on CPU."""
+    both ranks past the limit: both run eagerly from then on; with `max_graphs=1` the new shape
+    runs eagerly on rank 1 (and so on rank 0 too). Plain per-rank models, no collectives in the
+    step, so the recording backend can stand in for graphs on CPU."""
     device = _device(rank)
     config = graphstep.Config(
         backend="recording" if device.type == "cpu" else "cuda",
         max_recaptures=max_recaptures,
         on_recapture_limit="eager",
+        max_graphs=max_graphs,
+        on_too_many_graphs="eager",
     )
     results = []
     for graphed in (False, True):
@@ -232,3 +237,193 @@ def dtensor_shard_replaced(rank: int, size: int) -> dict:
     report = {"stats": dataclasses.asdict(step.stats)}
     step.close()
     return report
+
+
+# -- failures and mismatches (CPU, 4 ranks): every rank raises, none hangs -----------------------
+
+
+def _mlp(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(device)
+
+
+def _ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP, on CUDA constructed on graphstep's capture stream (see demo/parallel.py)."""
+    if device.type != "cuda":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    stream = graphstep.capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return ddp
+
+
+def _mlp_data(n: int, device: torch.device) -> list:
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return [
+        (torch.randn(4, 8, generator=g).to(device), torch.randn(4, 1, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+def _calls_until_error(step, data: list, before_call=None, *, go_on: bool = False) -> dict:
+    """Call `step` on each batch until one raises; the errors of every rank are compared. With
+    `go_on`, a rank catches its first error and calls again (as a loop skipping a batch after an
+    out-of-memory would): `then` is what its next call did."""
+    report: dict = {"call": None, "error": None, "message": ""}
+    for i, (x, y) in enumerate(data):
+        if before_call is not None:
+            before_call(i)
+        try:
+            step(x, y)
+        except Exception as exc:
+            if report["error"] is not None:
+                report["then"] = {"call": i, "error": type(exc).__name__, "message": str(exc)}
+                break
+            report.update(call=i, error=type(exc).__name__, message=str(exc))
+            if not go_on:
+                break
+        else:
+            if report["error"] is not None:
+                report["then"] = {"call": i, "error": None}
+                break
+    report["stats"] = step.stats
+    return report
+
+
+def _finish(report: dict, step) -> dict:
+    report["stats"] = dataclasses.asdict(report["stats"])
+    step.close()
+    return report
+
+
+def one_rank_raises(
+    rank: int, size: int, *, failing: int, call: int, where: str, go_on: str = "failing"
+) -> dict:
+    """A DDP step whose `call`-th run of the step function (1-based: warm-ups, then the capture,
+    then replays) raises on rank `failing`, `where` = "before" its backward (the others are about
+    to all-reduce gradients with it) or "after" it (the others finish their step). After its
+    error, the failing rank calls once more (`go_on="failing"`), or every rank does ("all")."""
+    device = _device(rank)
+    model = _ddp(_mlp(device), device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    runs = iter(range(1, 1000))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        fails = rank == failing and next(runs) == call
+        if fails and where == "before":
+            raise RuntimeError(f"boom before backward on rank {rank}")
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if fails and where == "after":
+            raise RuntimeError(f"boom after backward on rank {rank}")
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    captured = graphstep.capture(step, model=model, optimizer=opt)
+    data = _mlp_data(call + 3, device)
+    going_on = go_on == "all" or rank == failing
+    return _finish(_calls_until_error(captured, data, go_on=going_on), captured)
+
+
+def one_more_collective(rank: int, size: int, *, extra_on: int, when: str, graphs: str) -> dict:
+    """Gradients all-reduced by hand; rank `extra_on` all-reduces one tensor more, on every call
+    (`when="always"`: found at the first warm-up) or only while capturing ("capture"). `graphs`:
+    the backend: "recording" or "eager" on CPU, "cuda"."""
+    device = _device(rank)
+    model = _mlp(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = graphstep.Config(backend=graphs)
+    runs = iter(range(1, 1000))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        capturing = next(runs) == config.warmup_steps + 1
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        if rank == extra_on and (when == "always" or capturing):
+            dist.all_reduce(torch.ones(1, device=device))  # the branch only one rank takes
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=config)
+    data = _mlp_data(6, device)
+    return _finish(_calls_until_error(captured, data), captured)
+
+
+def one_rank_exits(rank: int, size: int, *, leaving: int, after: int) -> dict:
+    """Rank `leaving` ends its process after `after` calls; the others must not wait for it."""
+    import os
+
+    device = _device(rank)
+    model = _mlp(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = graphstep.capture(
+        _plain_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
+    )
+    data = _mlp_data(after + 3, device)
+
+    def before_call(i: int) -> None:
+        if rank == leaving and i == after:
+            os._exit(3)  # gone, as a process killed for memory would be
+
+    return _finish(_calls_until_error(step, data, before_call), step)
+
+
+def one_rank_is_late(rank: int, size: int, *, late: int, after: int, sleep: float) -> dict:
+    """Rank `late` sleeps `sleep` seconds before call `after`: past GRAPHSTEP_VOTE_TIMEOUT the
+    others stop waiting; then the late one finds them gone."""
+    import time
+
+    device = _device(rank)
+    model = _mlp(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = graphstep.capture(
+        _plain_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
+    )
+    data = _mlp_data(after + 3, device)
+
+    def before_call(i: int) -> None:
+        if rank == late and i == after:
+            time.sleep(sleep)
+
+    return _finish(_calls_until_error(step, data, before_call), step)
+
+
+def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def agree_at_random(rank: int, size: int, *, calls: int = 300) -> list:
+    """Each rank votes a random phase and limit (all ranks can compute everyone's from the seed):
+    what `Ranks.agree` returned, with what it should have."""
+    import random
+
+    from graphstep.distributed import Agreement, Phase, Ranks
+
+    ranks = Ranks(dist.group.WORLD)
+    wrong = []
+    for call in range(calls):
+        votes = [
+            random.Random(call * 1000 + r).choice([(p, lim) for p in Phase for lim in (0, 1)])
+            for r in range(size)
+        ]
+        lowest = min(p for p, _ in votes)
+        held = max((r for r, (p, _) in enumerate(votes) if p < Phase.REPLAY), default=None)
+        capped = max((r for r, (_, lim) in enumerate(votes) if lim), default=None)
+        expected = Agreement(lowest, held, capped)
+        got = ranks.agree(votes[rank][0], bool(votes[rank][1]))
+        if got != expected:
+            wrong.append((call, got, expected))
+    return [ranks.board.name, wrong[:3]]

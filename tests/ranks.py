@@ -2,9 +2,10 @@
 
 `run_ranks(worker, n)` starts `n` fresh processes (spawn), each with a process group of
 `n` ranks (gloo on CPU, NCCL on GPUs), calls `worker(rank, n, **kwargs)` in each, destroys
-the group (unless `destroy=False`) and returns what each returned, by rank. A rank that raises fails the test with its traceback; ranks that
-have not finished within `timeout` seconds are killed and the test fails as hung, so no test
-can hang the suite.
+the group (unless `destroy=False`) and returns what each returned, by rank. A rank that raises
+fails the test with its traceback; a rank whose process ends without reporting fails it too,
+unless listed in `exits` (its result is then `{"exitcode": code}`); ranks that have not finished
+within `timeout` seconds are killed and the test fails as hung, so no test can hang the suite.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +60,7 @@ def run_ranks(
     timeout: float = 120.0,
     destroy: bool = True,
     env: dict[str, str] | None = None,
+    exits: tuple[int, ...] = (),
     **kwargs: Any,
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
@@ -78,14 +81,22 @@ def run_ranks(
         os.environ.update(saved)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    gone: dict[int, int] = {}  # ranks whose process ended without reporting: exit code
+    deadline = time.monotonic() + timeout
+    suspects: set[int] = set()
     try:
-        for _ in range(size):
-            rank, status, value = out.get(timeout=timeout)
+        # Until every rank reported or ended, one failed (the others are then likely stuck in a
+        # collective with it), or time is up.
+        while len(results) + len(gone) < size and not errors and time.monotonic() < deadline:
+            try:
+                rank, status, value = out.get(timeout=0.5)
+            except queue.Empty:
+                # Seen ended twice with nothing in the queue in between: it did not report.
+                ended = {r for r, p in enumerate(procs) if p.exitcode is not None and r not in results}
+                gone.update({r: procs[r].exitcode for r in ended & suspects})
+                suspects = ended - set(gone)
+                continue
             (results if status == "ok" else errors)[rank] = value
-            if errors:
-                break  # the other ranks are likely stuck in a collective with the failed one
-    except queue.Empty:
-        pass
     finally:
         for p in procs:
             p.join(timeout=10 if not errors else 1)
@@ -95,12 +106,16 @@ def run_ranks(
     if errors:
         rank, trace = sorted(errors.items())[0]
         raise AssertionError(f"rank {rank} of {size} failed:\n{trace}")
+    unexpected = {r: code for r, code in gone.items() if r not in exits}
+    if unexpected:
+        raise AssertionError(f"ranks {sorted(unexpected)} of {size} exited without reporting: {unexpected}")
+    results.update({r: {"exitcode": code} for r, code in gone.items()})
     if len(results) < size:
         missing = sorted(set(range(size)) - set(results))
         raise AssertionError(
             f"ranks {missing} of {size} did not finish within {timeout:.0f} s (hung) and were killed"
         )
-    hung_at_exit = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r in results]
+    hung_at_exit = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in gone]
     if hung_at_exit:
         raise AssertionError(f"ranks {hung_at_exit} finished but did not exit cleanly (killed after 10 s)")
     return [results[r] for r in range(size)]

@@ -16,10 +16,15 @@ import torch.distributed as dist
 
 import graphstep
 from dist_workers import (
+    agree_at_random,
     destroy_with_open_step,
     dtensor_shard_replaced,
     leave_step_open,
+    one_more_collective,
     one_rank_changes,
+    one_rank_exits,
+    one_rank_is_late,
+    one_rank_raises,
     one_rank_syncs,
     train_pair,
 )
@@ -95,9 +100,11 @@ def test_a_host_sync_on_one_rank_stops_every_rank_from_capturing():
     assert "dist_workers.py" in rank1["errors"][0] and "float(total)" in rank1["errors"][0]
 
 
-def test_a_replaced_dtensor_shard_is_seen_by_the_guard():
+def test_a_replaced_dtensor_shard_needs_no_capture_on_the_eager_backend():
+    # On CPU the step runs on the eager backend, which bakes nothing: the replaced shard is simply
+    # used (on CUDA, where graphs bake addresses, the guard reads through the DTensor and captures again).
     for report in run_ranks(dtensor_shard_replaced, 2):
-        assert report["stats"]["captures"] == 2
+        assert report["stats"]["captures"] == 1
 
 
 def test_destroy_process_group_closes_live_steps_first():
@@ -108,6 +115,127 @@ def test_destroy_process_group_closes_live_steps_first():
 def test_a_step_left_open_does_not_hang_exit():
     reports = run_ranks(leave_step_open, 2, kind="ddp", destroy=False)
     assert [r["graphs"] for r in reports] == [1, 1]
+
+
+def test_a_rank_past_max_graphs_runs_eagerly_and_the_others_with_it():
+    """Rank 1's new shape finds no room (max_graphs=1): it runs eagerly, and it still votes, so
+    rank 0 steps eagerly with it instead of replaying alone."""
+    reports = run_ranks(one_rank_changes, 2, change="shape", max_graphs=1)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+    rank0, rank1 = (r["stats"] for r in reports)
+    assert rank0["eager_calls"] == rank1["eager_calls"] == 6 and rank0["captures"] == rank1["captures"] == 1
+
+
+@pytest.mark.parametrize("vote", ["shm", "gloo"])
+def test_both_votes_agree_on_the_least_advanced_phase(vote):
+    reports = run_ranks(agree_at_random, 3, env=_vote_env(vote))
+    for board, wrong in reports:
+        assert board == {"shm": "shared memory", "gloo": "gloo"}[vote]
+        assert wrong == [], wrong
+
+
+# -- no rank left hanging, mismatched collectives (4 ranks) -------------------------------------
+
+CAPTURE_RUN = distributed.DDP_WARMUP_STEPS + 1  # the step function's run that a DDP capture makes
+
+
+@pytest.mark.parametrize("vote", ["shm", "gloo"])
+def test_a_step_failing_on_one_rank_while_capturing_fails_every_rank(vote):
+    """Rank 2 raises before its backward while the others are about to all-reduce gradients with
+    it: they stop before that collective, and every rank raises a CaptureError. Nothing was kept,
+    so the ranks are still in step: the next call captures on every rank."""
+    reports = run_ranks(
+        one_rank_raises,
+        4,
+        failing=2,
+        call=CAPTURE_RUN,
+        where="before",
+        go_on="all",
+        env=_vote_env(vote),
+        timeout=240,
+    )
+    for rank, report in enumerate(reports):
+        assert report["call"] == CAPTURE_RUN - 1, f"rank {rank}: {report}"
+        assert report["error"] == "CaptureError", f"rank {rank}: {report}"
+        assert report["then"] == {"call": CAPTURE_RUN, "error": None}, f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1 and report["stats"]["warmup_calls"] == CAPTURE_RUN - 1
+    assert "boom before backward on rank 2" in reports[2]["message"]
+    for rank in (0, 1, 3):
+        message = reports[rank]["message"]
+        assert "failed on rank 2" in message and "boom before backward" in message, message
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_warmup_failing_on_one_rank_fails_every_rank_in_the_same_call(where):
+    """Before its backward, rank 2 leaves the others about to all-reduce with it; after, they
+    finish their step. Either way every rank raises in that call, and no rank goes on."""
+    reports = run_ranks(one_rank_raises, 4, failing=2, call=3, where=where, timeout=240)
+    assert reports[2]["error"] == "RuntimeError" and reports[2]["call"] == 2
+    for rank in (0, 1, 3):
+        report = reports[rank]
+        assert report["call"] == 2 and report["error"] == "RankFailedError", f"rank {rank}: {report}"
+        assert "failed on rank 2" in report["message"] and f"boom {where} backward" in report["message"]
+        assert report["stats"]["captures"] == 0
+
+
+def test_a_replay_failing_on_one_rank_makes_every_rank_refuse_the_next_call():
+    """A failure after the vote (here in a replay of the eager backend, after the all-reduce)
+    cannot stop the others' call: the next vote carries it, and every rank refuses that call."""
+    reports = run_ranks(one_rank_raises, 4, failing=2, call=CAPTURE_RUN + 2, where="after", timeout=240)
+    assert reports[2]["error"] == "RuntimeError" and reports[2]["call"] == CAPTURE_RUN + 1
+    assert reports[2]["then"]["error"] == "RankFailedError" and reports[2]["then"]["call"] == CAPTURE_RUN + 2
+    assert "this rank's previous call" in reports[2]["then"]["message"]
+    for rank in (0, 1, 3):
+        report = reports[rank]
+        assert report["call"] == CAPTURE_RUN + 2 and report["error"] == "RankFailedError", report
+        assert "rank 2's previous call" in report["message"] and "boom after backward" in report["message"]
+
+
+@pytest.mark.parametrize("backend", ["recording", "eager"])
+def test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank(backend):
+    reports = run_ranks(one_more_collective, 4, extra_on=3, when="capture", graphs=backend, timeout=240)
+    warmups = graphstep.Config().warmup_steps
+    for report in reports:
+        assert report["call"] == warmups and report["error"] == "CollectiveMismatchError", report
+        message = report["message"]
+        assert "while capturing" in message and "collective #5" in message, message
+        assert "rank 3: collective #5: c10d.allreduce_ of [float32[1]]" in message, message
+        assert "dist_workers.py" in message and "dist.all_reduce(torch.ones(1))" in message, message
+        assert "ranks 0, 1, 2: none: the step ended after 4 collectives" in message, message
+        assert report["stats"]["captures"] == 0 and report["stats"]["replays"] == 0
+
+
+def test_one_more_collective_on_every_call_is_found_at_the_first_warmup():
+    reports = run_ranks(one_more_collective, 4, extra_on=3, when="always", graphs="recording", timeout=240)
+    for report in reports:
+        assert report["call"] == 0 and report["error"] == "CollectiveMismatchError", report
+        assert "while running" in report["message"] and "restore a checkpoint" in report["message"]
+
+
+@pytest.mark.parametrize("vote", ["shm", "gloo"])
+def test_a_rank_that_exits_stops_the_others_at_the_next_vote(vote):
+    reports = run_ranks(one_rank_exits, 4, exits=(2,), leaving=2, after=4, env=_vote_env(vote), timeout=240)
+    assert reports[2] == {"exitcode": 3}
+    for rank in (0, 1, 3):
+        report = reports[rank]
+        assert report["call"] == 4 and report["error"] == "RankFailedError", f"rank {rank}: {report}"
+        assert ("rank(s) [2]" in report["message"]) if vote == "shm" else ("gloo" in report["message"])
+
+
+def test_a_rank_that_never_arrives_is_named_after_the_vote_timeout():
+    reports = run_ranks(
+        one_rank_is_late, 4, late=1, after=4, sleep=8.0, env={"GRAPHSTEP_VOTE_TIMEOUT": "2"}, timeout=240
+    )
+    for rank in (0, 2, 3):
+        report = reports[rank]
+        assert report["call"] == 4 and report["error"] == "RankFailedError", f"rank {rank}: {report}"
+        assert "rank(s) [1] did not reach graphstep's vote within 2 s" in report["message"]
+    assert reports[1]["error"] == "RankFailedError" and "exited" in reports[1]["message"]
+
+
+def _vote_env(vote: str) -> dict[str, str]:
+    return {"GRAPHSTEP_VOTE": "gloo"} if vote == "gloo" else {}
 
 
 # -- NCCL graph registration with expandable segments -----------------------------------------

@@ -22,7 +22,7 @@ from . import signature as sig
 from .backends import Backend, CudaGraphBackend, EagerBackend
 from .config import Config
 from .diagnostics import StepStats, eager_fallback_message, log, too_many_graphs_message
-from .distributed import Agreement
+from .distributed import Agreement, Phase
 from .errors import ClosedError, GraphStepError, TooManyGraphsError
 from .guards import bindings
 from .lifecycle import Lifecycle
@@ -120,6 +120,10 @@ class CapturedStep:
         self._busy = threading.get_ident()
         try:
             return self._call(args, kwargs)
+        except BaseException as exc:
+            if self._ctx is not None and self._ctx.ranks is not None:
+                self._ctx.ranks.note_failure(exc)  # the next vote tells the other ranks
+            raise
         finally:
             self._busy = None
 
@@ -198,13 +202,21 @@ class CapturedStep:
         ctx.optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
         life = self._lifecycle(signature)
         if life is None:
-            return self._run_eager_fallback(signature, args, kwargs)
+            if ctx.ranks is None:
+                return self._run_eager_fallback(signature, args, kwargs)
+            agreed = ctx.ranks.agree(Phase.EAGER, False, self._name)  # the others step eagerly too
+            with ctx.ranks.together(self._name, agreed, self._state.modules):
+                return self._run_eager_fallback(signature, args, kwargs)
         plan = life.plan()
-        if ctx.ranks is not None:  # every rank acts on the least advanced rank's phase
-            agreed = ctx.ranks.agree(plan.phase, plan.limited)
-        else:
-            agreed = Agreement(plan.phase, None, 0 if plan.limited else None)
-        return life.act(plan, agreed, leaves, args, kwargs)
+        if ctx.ranks is None:
+            return life.act(
+                plan, Agreement(plan.phase, None, 0 if plan.limited else None), leaves, args, kwargs
+            )
+        agreed = ctx.ranks.agree(plan.phase, plan.limited, self._name)  # all act on the least advanced
+        if agreed.phase is Phase.REPLAY:
+            return life.act(plan, agreed, leaves, args, kwargs)
+        with ctx.ranks.together(self._name, agreed, self._state.modules):  # collectives checked
+            return life.act(plan, agreed, leaves, args, kwargs)
 
     def _run_eager_fallback(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
         """Past `max_graphs` with `on_too_many_graphs="eager"`: warn once per signature."""

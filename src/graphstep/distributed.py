@@ -3,10 +3,16 @@
 A captured step holds collectives (DDP's all-reduce, FSDP2's all-gather and reduce-scatter,
 tensor parallelism's all-reduce). If one rank replayed its graph while another ran the step
 eagerly, or captured a different graph, their collectives would pair up wrongly and hang or
-mix data. So before every call each rank says how far it is (`Phase`), and all ranks act on the least
-advanced answer: one small all-reduce over a gloo group (on the host, so the GPU is never
-waited for). After a capture, before any rank replays it, the ranks agree that every capture
-succeeded.
+mix data. So before every call each rank says how far it is (`Phase`), and all ranks act on the
+least advanced answer (`Ranks.agree`). The vote is one element-wise maximum of four integers
+(`vote.py`): through shared memory when every rank is on one host, a gloo all-reduce otherwise;
+on the host either way, so the GPU is never waited for.
+
+The same vote carries "my previous call failed": a rank whose call raised (after the vote, in
+a replay, or before it) makes every rank raise at its next call instead of some replaying into
+collectives it will never join. Calls that run the step eagerly or capture it go collective by
+collective together and agree at the end that every rank's step succeeded (`collectives.py`);
+before any rank replays a new graph, all agree that every capture succeeded.
 
 Also here: the NCCL setting that graphs with expandable segments need, the warm-up count DDP
 needs, and closing steps before `destroy_process_group` (a live graph holding NCCL work makes
@@ -15,17 +21,20 @@ it hang).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from .errors import GraphStepError
+from . import vote
+from .collectives import ERROR, KINDS, Together, describe_error, failure_code, is_agreed, mark_agreed
+from .errors import GraphStepError, RankFailedError
 
 log = logging.getLogger("graphstep")
 
@@ -56,7 +65,7 @@ class Agreement:
 
 
 class Ranks:
-    """The ranks that run a step together, and the vote before each call."""
+    """The ranks that run a step together: the vote before each call, and calls run together."""
 
     def __init__(self, group: object):
         import torch.distributed as dist
@@ -69,37 +78,73 @@ class Ranks:
             self.vote_group = dist.new_group(
                 dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True
             )
-        self._ballot = torch.zeros(3, dtype=torch.int64)
+        self.board = vote.open_board(self.vote_group)
+        self._failure: tuple[int, str] | None = None
+        """This rank's last failed call that the other ranks do not know of: (code, text)."""
+        self._together: Together | None = None
 
-    def agree(self, phase: Phase, limited: bool) -> Agreement:
-        """Every rank calls this with its own answers; all get the same result."""
-        import torch.distributed as dist
-
+    def agree(self, phase: Phase, limited: bool, name: str = "the step") -> Agreement:
+        """Every rank calls this with its own answers; all get the same result, or all raise
+        `RankFailedError` when some rank's previous call failed."""
         mine = self.rank + 1
-        # One MAX-reduction carries it all: the lowest phase as (REPLAY - phase), and a rank
-        # (rank + 1; 0 for none) holding back, and one at its re-capture limit.
-        ballot = self._ballot
-        ballot[0] = Phase.REPLAY - phase
-        ballot[1] = mine if phase < Phase.REPLAY else 0
-        ballot[2] = mine if limited else 0
-        dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=self.vote_group)
-        lowest, *ranks = ballot.tolist()
-        return Agreement(Phase(Phase.REPLAY - lowest), *(r - 1 if r else None for r in ranks))
+        failure, self._failure = self._failure, None
+        failed = (self.board.size - self.rank) * KINDS + failure[0] if failure else 0
+        # One maximum carries it all: the lowest phase as (REPLAY - phase), a rank (rank + 1; 0
+        # for none) holding back, one at its re-capture limit, and the lowest rank that failed.
+        lowest, held, capped, failed = self.board.max(
+            [Phase.REPLAY - phase, mine if phase < Phase.REPLAY else 0, mine if limited else 0, failed]
+        )
+        if failed:
+            raise self._refusal(name, self.board.size - failed // KINDS, failure)
+        return Agreement(Phase(Phase.REPLAY - lowest), *(r - 1 if r else None for r in (held, capped)))
 
-    def first_failure(self, failure: int) -> tuple[int, int] | None:
-        """After a capture, before any replay: `(rank, failure)` of the lowest rank whose capture
-        failed, or None. `failure`: 0 for success, else a small positive code of the error's kind.
-        A rank that replayed a graph while another had none would wait in a collective forever."""
-        import torch.distributed as dist
+    def _refusal(self, name: str, rank: int, failure: tuple[int, str] | None) -> RankFailedError:
+        text = self.board.gather_text(failure[1] if failure else "")[rank]
+        whose = "this rank's" if rank == self.rank else f"rank {rank}'s"
+        error = RankFailedError(
+            f"{whose} previous call of {name} failed ({text or 'see its log'}), while other ranks went on. "
+            "Ranks step together, so every rank refuses this call instead of replaying into collectives "
+            "that rank never joined. The ranks' training state may differ now: restore a checkpoint on "
+            "every rank before going on."
+        )
+        mark_agreed(error)
+        return error
 
-        size = dist.get_world_size(self.vote_group)
-        flag = torch.tensor([(size - self.rank) * _KINDS + failure if failure else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.vote_group)
-        worst = int(flag)
-        return (size - worst // _KINDS, worst % _KINDS) if worst else None
+    @contextlib.contextmanager
+    def together(self, name: str, agreed: Agreement, modules: Iterable[nn.Module] = ()) -> Iterator[Together]:
+        """Around a call that runs the step eagerly or captures it, on every rank (the agreement
+        decides, so all ranks enter it in the same call): collectives checked before they are
+        issued, and at the end, every rank's step agreed to have succeeded (else all raise, and
+        the DDP modules among `modules` are made usable again)."""
+        capturing = agreed.phase is Phase.CAPTURE and agreed.limited_by is None
+        together = self._together = Together(self.board, name, capturing=capturing)
+        try:
+            with together:
+                yield together
+        except BaseException as exc:
+            together.end(exc)
+            if is_agreed(exc):  # every rank stopped this call: every rank recovers, at once
+                recover_ddp(modules)
+            raise
+        finally:
+            self._together = None
+        error = together.end(None)
+        if error is not None:
+            raise error
 
+    def capture_failure(self, name: str, error: BaseException | None) -> BaseException | None:
+        """After a capture, before any replay: the error this rank raises because another rank's
+        capture failed or captured other collectives; None when all succeeded (or when `error`,
+        this rank's own, stands). A rank that replayed a graph while another had none, or a
+        different one, would wait in a collective forever."""
+        together = self._together or Together(self.board, name, capturing=True, watch=False)
+        return together.end(error)
 
-_KINDS = 16  # failure codes carried by `Ranks.first_failure`, below this
+    def note_failure(self, error: BaseException) -> None:
+        """A call raised `error` on this rank; unless every rank raised with it, the next vote
+        tells the others."""
+        if not is_agreed(error):
+            self._failure = (failure_code(error) or ERROR, describe_error(error))
 
 
 def ranks_for(process_group: object | None) -> Ranks | None:
@@ -132,6 +177,27 @@ def prepare_ddp(modules: Iterable[nn.Module]) -> bool:
     for m in ddp:
         m._set_ddp_runtime_logging_sample_rate(2**31 - 1)
     return bool(ddp)
+
+
+def recover_ddp(modules: Iterable[nn.Module]) -> None:
+    """After the ranks stopped a call together: make DDP usable again on every rank.
+
+    A rank that stopped inside its backward (before a gradient all-reduce whose peer failed)
+    leaves DDP's reducer expecting the rest of that backward: its next forward would fail
+    ("Expected to have finished reduction in the prior iteration"). Resetting the reducer also
+    makes DDP rebuild its buckets, with a broadcast and a host read, on the second forward
+    after: inside a capture that would fail. So rebuild them now, on every rank at once (the
+    ranks reach here in the same call): no forward rebuilds them later.
+    """
+    for m in (m for root in modules for m in root.modules()):
+        if not isinstance(m, nn.parallel.DistributedDataParallel):
+            continue
+        try:
+            m.reducer._reset_state()
+            m.reducer._push_all_rebuilt_params()
+            m.reducer._rebuild_buckets()
+        except (AttributeError, RuntimeError) as exc:  # private API of DDP's reducer
+            log.warning("graphstep: could not reset DDP after the failed call (%s): recreate it", exc)
 
 
 # -- NCCL with expandable segments ---------------------------------------------------------------

@@ -41,3 +41,13 @@ class ClosedError(GraphStepError):
 
 class UnsupportedOptimizerError(GraphStepError):
     """The optimizer cannot run inside a CUDA graph (it needs a closure or reads values on the host)."""
+
+
+class RankFailedError(GraphStepError):
+    """Another rank of a distributed step failed, exited or stopped answering; ranks step
+    together, so this one stops too instead of waiting for collectives that never come."""
+
+
+class CollectiveMismatchError(GraphStepError):
+    """The ranks of a distributed step issued different collectives (another operation, group,
+    dtype or shape, or one rank one more): replaying them would hang or mix data."""

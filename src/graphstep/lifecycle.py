@@ -28,9 +28,9 @@ import torch
 from . import segments
 from . import signature as sig
 from .backends import CudaGraphBackend, PartsRecording, Recording
-from .diagnostics import capture_error, is_host_sync, log, stale_message
+from .diagnostics import capture_error, log, stale_message
 from .distributed import Agreement, Phase
-from .errors import CaptureError, GraphStepError, HostSyncError, StaleGraphError
+from .errors import GraphStepError, StaleGraphError
 from .guards import StateGuard, trainable
 from .profiling import ranged
 from .reads import ReadWatch
@@ -373,15 +373,10 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     except BaseException as exc:
         error = exc
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
-        failed = ctx.ranks.first_failure(_failure_code(error))
+        failed = ctx.ranks.capture_failure(ctx.name, error)
         if failed is not None and error is None:
             recording.release()
-            rank, code = failed
-            error = (HostSyncError if code == _HOST_SYNC else CaptureError)(
-                f"capturing {ctx.name} failed on rank {rank} (its error says why), and ranks capture "
-                "together, so this rank dropped its graph too. Nothing was lost: the model, optimizer "
-                "and inputs are as they were before this call."
-            )
+            error = failed
     if error is not None:
         snapshot.restore()
         if isinstance(error, GraphStepError) or not isinstance(error, Exception):
@@ -409,15 +404,6 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     return Variant(
         recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes_epoch
     )
-
-
-_HOST_SYNC = 2
-
-
-def _failure_code(error: BaseException | None) -> int:
-    if error is None:
-        return 0
-    return _HOST_SYNC if isinstance(error, HostSyncError) or is_host_sync(error) else 1
 
 
 def _listed(changes: tuple[str, ...]) -> str:

@@ -13,7 +13,9 @@ import torch
 from dist_workers import (
     destroy_with_open_step,
     leave_step_open,
+    one_more_collective,
     one_rank_changes,
+    one_rank_raises,
     one_rank_syncs,
     train_pair,
 )
@@ -91,3 +93,33 @@ def test_2d_mesh_fsdp_times_tensor_parallel_on_two_gpus(mesh_shape):
     for rank, report in enumerate(reports):
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
         assert report["stats"]["captures"] == 1
+
+
+# -- no rank left hanging, mismatched collectives, with NCCL collectives inside real graphs --------
+
+
+def test_a_step_failing_on_one_rank_while_capturing_fails_both_and_the_next_call_captures():
+    """Rank 1 raises before its backward in the capture: rank 0 stops before its DDP all-reduce
+    (captured, not executed, under CUDA), both raise CaptureError, then both capture."""
+    call = distributed.DDP_WARMUP_STEPS + 1
+    reports = nccl(one_rank_raises, failing=1, call=call, where="before", go_on="all")
+    for rank, report in enumerate(reports):
+        assert report["call"] == call - 1 and report["error"] == "CaptureError", f"rank {rank}: {report}"
+        assert report["then"] == {"call": call, "error": None}, f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1
+    assert "failed on rank 1" in reports[0]["message"] and "boom before backward" in reports[0]["message"]
+
+
+def test_one_more_nccl_collective_on_one_rank_while_capturing_is_named_on_both():
+    reports = nccl(one_more_collective, extra_on=1, when="capture", graphs="cuda")
+    for rank, report in enumerate(reports):
+        assert report["error"] == "CollectiveMismatchError", f"rank {rank}: {report}"
+        assert "rank 1: collective #5: c10d.allreduce_ of [float32[1]]" in report["message"], report
+        assert report["stats"]["captures"] == 0 and report["stats"]["replays"] == 0
+
+
+def test_a_warmup_failing_on_one_rank_fails_both_in_the_same_call():
+    reports = nccl(one_rank_raises, failing=1, call=3, where="before")
+    assert reports[1]["error"] == "RuntimeError" and reports[1]["call"] == 2
+    assert reports[0]["error"] == "RankFailedError" and reports[0]["call"] == 2
+    assert "failed on rank 1" in reports[0]["message"]

@@ -1,0 +1,72 @@
+"""The pieces of the distributed vote that one process can test: watching a step's collectives
+must not stop torch.compile, and how failures are classified and told apart when agreed.
+(The votes themselves run across processes in test_distributed.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphstep import collectives
+from graphstep.errors import CaptureError, HostSyncError
+
+
+class _Alone:
+    """A board for a single rank: the maximum of one rank's numbers is its own."""
+
+    rank, size, name = 0, 1, "alone"
+
+    def max(self, values):
+        return list(values)
+
+    def gather_text(self, text):
+        return [text]
+
+
+@pytest.mark.skipif(not collectives.WATCHABLE, reason="this torch cannot watch without disabling compile")
+def test_watching_collectives_does_not_stop_torch_compile():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend)
+    def f(x):
+        return torch.sin(x) * 2
+
+    x = torch.randn(4)
+    with collectives.Together(_Alone(), "step", capturing=False) as together:
+        out = f(x)
+    assert together.end(None) is None
+    assert len(graphs) == 1, "torch.compile skipped the function under graphstep's dispatch mode"
+    assert torch.equal(out, torch.sin(x) * 2)
+
+
+def test_a_single_rank_step_that_ends_agrees_with_itself():
+    together = collectives.Together(_Alone(), "step", capturing=True)
+    assert together.end(None) is None and together.ended
+
+
+def test_failures_are_classified_for_the_other_ranks_message():
+    assert collectives.failure_code(None) == 0
+    assert collectives.failure_code(RuntimeError("boom")) == collectives.ERROR
+    assert collectives.failure_code(HostSyncError("x")) == collectives.HOST_SYNC
+    assert collectives.failure_code(RuntimeError("operation not permitted when stream is capturing")) == (
+        collectives.HOST_SYNC
+    )
+    assert collectives.failure_code(torch.OutOfMemoryError("CUDA out of memory")) == collectives.OUT_OF_MEMORY
+    assert collectives.failure_code(KeyboardInterrupt()) == collectives.INTERRUPTED
+
+
+def test_an_agreed_error_is_recognised_through_the_error_that_wraps_it():
+    inner = RuntimeError("boom")
+    collectives.mark_agreed(inner)
+    try:
+        try:
+            raise inner
+        except RuntimeError as exc:
+            raise CaptureError("capturing failed") from exc
+    except CaptureError as outer:
+        assert collectives.is_agreed(outer)
+    assert not collectives.is_agreed(RuntimeError("another"))
