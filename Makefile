@@ -14,7 +14,7 @@ $(BIN)/python:
 # Install torch only when none is importable: a bare `pip install torch` would pull a multi-GB CUDA build.
 setup: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,demo]"
 
 test: setup
 	$(BIN)/python -m ruff check src tests
