@@ -54,7 +54,7 @@ def test_builder_and_step_train_eagerly_and_captured_equal(suite, config):
     # Two captures where a scheduler changes a baked hyperparameter (SGD's momentum under OneCycleLR):
     # the optimizer moves to an eager segment once. Never a capture per call.
     assert stats["captures"] in (1, 2) and stats["replays"] >= 2 and stats["variants"] == 0, stats
-    assert stats["replays_timed"] == 3 and stats["host_us_per_replay"] > 0
+    assert stats["replays_pipelined"] == 3 and stats["host_us_per_replay"] > 0
     assert graphed["pipelined_ms"] > 0 and graphed["host_us"] > 0
     assert graphed["peak_reserved_gib"] is None and graphed["kernel_ms"] is None  # CUDA only
 
@@ -138,6 +138,30 @@ def test_a_spent_budget_runs_nothing_and_still_writes_the_files(tmp_path):
     code, data = run_cpu(tmp_path, budget_s=1.0)
     assert code == 0
     assert all(r["skipped"] == "not run: the --budget of 1 s was spent" for r in data["rows"])
+
+
+def test_the_models_suite_runs_by_priority_so_a_budget_cuts_compile_last(tmp_path):
+    code, data = run_cpu(tmp_path, suite="models", configs=["ppo_mlp", "gcn"], methods=None, budget_s=1.0)
+    assert code == 0
+    assert data["order"] == [
+        "ppo_mlp/eager", "ppo_mlp/graphstep", "gcn/eager", "gcn/graphstep",
+        "ppo_mlp/graphstep_compiled", "ppo_mlp/reduce_overhead", "gcn/graphstep_compiled", "gcn/reduce_overhead",
+        "ppo_mlp/compile", "gcn/compile",
+    ]  # fmt: skip
+
+
+def test_a_row_the_budget_cuts_short_is_skipped_not_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        bench, "worker_command", lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    monkeypatch.setattr(bench, "MIN_ROW_S", 0.5)
+    code, data = run_cpu(tmp_path, budget_s=2.0)
+    assert code == 0
+    first, second = data["rows"]
+    assert (
+        first["skipped"].startswith("cut short by the --budget: timed out after ") and first["error"] is None
+    )
+    assert second["skipped"] == "not run: the --budget of 2 s was spent"
 
 
 def test_a_missing_package_skips_its_rows_without_starting_them(tmp_path, monkeypatch):

@@ -7,11 +7,11 @@ GCN; see `bench_models.py`). Methods: see `bench_measure.py`.
 Each (config, method) row runs in a fresh process (`bench_worker.py`): its memory peak is its own,
 and a crash or a hang costs that row only. A row that fails records its error's first line; one
 whose package is missing says so; one that runs past `--row-timeout` is killed and keeps the phases
-it finished. Rows run by priority, so a `--budget` (seconds for the whole run) cuts the least
-important ones: first eager, graphstep and the hand-written graph on every config, then graphstep
-with a compiled model and reduce-overhead, then torch.compile. The JSON and Markdown files are
-rewritten after every row, the chart at the end (`python -m graphstep.demo.bench_report FILE.json`
-draws it again from a JSON file).
+it finished. The gpt suite runs config by config. The models suite runs by priority, so that a
+`--budget` (seconds for the whole run) cuts the least important rows: first eager and graphstep on
+every config, then graphstep with a compiled model and reduce-overhead, then torch.compile. The
+JSON and Markdown files are rewritten after every row, the chart at the end
+(`python -m graphstep.demo.bench_report FILE.json` draws it again from a JSON file).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ CONFIGS = GPT_CONFIGS
 """The default suite's configs (kept for scripts that import them)."""
 METHODS = METHOD_ORDER
 PRIORITY = (("eager", "graphstep", "manual_graph"), ("graphstep_compiled", "reduce_overhead"), ("compile",))
-"""Rows run pass by pass, every config in each pass: what a --budget cuts comes last."""
+"""The models suite runs pass by pass, every config in each pass: what a --budget cuts comes last.
+The first compiling row of a model pays for inductor's cold cache (the later ones reuse part of it)."""
 ROW_TIMEOUT_S = 420.0
 """A row is killed past this: cold inductor compilation of ResNet-50's training graph takes about a minute."""
 MIN_ROW_S = 30.0
@@ -138,7 +139,10 @@ def run_bench(
         or default_counts(quick, steps or (table[c].quick_timed_steps if quick else table[c].timed_steps))
         for c in configs
     }
-    order = [(c, m) for group in PRIORITY for c in configs for m in group if m in methods]
+    if suite == "gpt":  # few rows, no hurry: config by config, as earlier runs of this suite
+        order = [(c, m) for c in configs for m in methods]
+    else:
+        order = [(c, m) for group in PRIORITY for c in configs for m in group if m in methods]
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     meta = dict(
         gpu=gpu_slug(gpu_name) if device == "cuda" else "cpu", gpu_name=gpu_name, torch=torch.__version__,
@@ -177,8 +181,10 @@ def run_bench(
                     row = _run_isolated(job, timeout, Path(tmp), i) if isolate else _run_inline(job)
                 except Exception as e:  # the harness itself: still no reason to lose the other rows
                     row["error"] = f"bench harness: {type(e).__name__}: {e}"[:300]
-                if row.get("skipped"):
+                if row.get("skipped"):  # the worker could not build the model: its package
                     unusable.setdefault(config, row["skipped"])
+                if timeout < row_timeout_s and (row.get("error") or "").startswith("timed out"):
+                    row.update(skipped=f"cut short by the --budget: {row['error']}", error=None)
             rows.append(row)
             _remember_config(meta, row)
             add_ratios(rows)

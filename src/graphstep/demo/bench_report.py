@@ -199,8 +199,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"torch {meta['torch']}, CUDA {meta['cuda']}, graphstep {meta.get('graphstep')}, Python {meta.get('python')}. "
         f"{isolation} Methods ran in this order (it decides whose compilation warms inductor's cache): "
         f"{', '.join(meta.get('order') or [])}. Command: `{meta.get('command', '')}`.",
-        f"Per method: {counts.get('warmup_calls')} warm-up calls, {counts.get('timed_steps', 'per config')} timed "
-        f"steps, {counts.get('pipelined_calls')} pipelined calls, {counts.get('profiled_steps')} profiled steps.",
+        f"Per method: {counts.get('warmup_calls')} warm-up calls, the timed steps of its config (below), "
+        f"{counts.get('pipelined_calls')} pipelined calls, {counts.get('profiled_steps')} profiled steps.",
         markdown_table(rows),
         "## Targets (issue 13)",
         "\n".join(targets(rows)) or "(no rows)",
@@ -208,7 +208,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         readme_table(rows, meta),
         "## Configs",
         *(
-            f"- **{name}**: {d.get('label', name)}; {_fmt((d.get('parameters') or 0) / 1e6, 1)}M parameters; "
+            f"- **{name}**: {d.get('label', name)}; {_fmt((d.get('parameters') or 0) / 1e6, 2)}M parameters; "
             f"{d.get('timed_steps')} timed steps; "
             + ", ".join(f"{k}={v}" for k, v in (d.get("details") or {}).items())
             for name, d in (meta.get("configs") or {}).items()
