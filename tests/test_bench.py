@@ -14,7 +14,8 @@ import pytest
 
 from graphstep.demo import bench, bench_models, bench_report
 from graphstep.demo.bench_measure import MEASUREMENT, Counts, measure_row
-from graphstep.demo.bench_workloads import SUITE_METHODS, BenchConfig, PackageMissing, need, suites
+from graphstep.demo.bench_suites import SUITE_METHODS, suites
+from graphstep.demo.bench_workloads import BenchConfig, PackageMissing, need
 
 RECORDING = {"backend": "recording", "warmup_steps": 1}
 ALL_CONFIGS = [(suite, name) for suite, table in suites().items() for name in table]

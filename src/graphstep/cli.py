@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from graphstep.demo.bench import METHODS, ROW_TIMEOUT_S
-    from graphstep.demo.bench_workloads import SUITE_METHODS, suites
+    from graphstep.demo.bench_suites import SUITE_METHODS, suites
 
     all_suites = suites()
     config_names = [name for table in all_suites.values() for name in table]

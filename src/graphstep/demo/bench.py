@@ -51,7 +51,8 @@ from graphstep.demo.bench_report import (
     sorted_rows,
     write_results,
 )
-from graphstep.demo.bench_workloads import GPT_CONFIGS, SUITE_METHODS, suites
+from graphstep.demo.bench_suites import SUITE_METHODS, suites
+from graphstep.demo.bench_workloads import GPT_CONFIGS
 
 __all__ = [
     "CONFIGS",

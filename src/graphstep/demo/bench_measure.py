@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 import graphstep
+from graphstep.demo.bench_suites import suites
 from graphstep.demo.bench_workloads import BuildContext, PackageMissing, StepFn, Workload, n_parameters
 
 log = logging.getLogger("graphstep")
@@ -106,7 +107,6 @@ def measure_row(
     Never raises for a failure of the method or the model: the row's `error` says what happened
     (its first line in the tables), `skipped` says why a model could not be built here.
     """
-    from graphstep.demo.bench_workloads import suites
 
     row = new_row(suite, config, method)
     dev = torch.device(device)

@@ -32,18 +32,21 @@ def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def _images(ctx: BuildContext, batch: int, res: int, classes: int) -> list[tuple[Tensor, Tensor]]:
+def _images(
+    ctx: BuildContext, batch: int, res: int, classes: int, *, channels_last: bool
+) -> list[tuple[Tensor, Tensor]]:
     g = _generator()
     out = []
+    layout = torch.channels_last if channels_last else torch.contiguous_format
     for _ in range(N_BATCHES):
-        x = torch.randn(batch, 3, res, res, generator=g).to(ctx.device, memory_format=torch.channels_last)
+        x = torch.randn(batch, 3, res, res, generator=g).to(ctx.device, memory_format=layout)
         out.append((x, torch.randint(classes, (batch,), generator=g).to(ctx.device)))
     return out
 
 
 def _classifier_step(ctx: BuildContext, opt: torch.optim.Optimizer, params: list, clip: float | None):
     def make_step(forward):
-        def train_step(x: Tensor, y: Tensor) -> Tensor:  # x: (B, 3, H, W) channels_last, y: (B,)
+        def train_step(x: Tensor, y: Tensor) -> Tensor:  # x: (B, 3, H, W), y: (B,)
             with ctx.autocast():
                 loss = F.cross_entropy(forward(x), y)
             loss.backward()
@@ -77,7 +80,7 @@ def resnet50(ctx: BuildContext) -> Workload:
     # segment the first time it changes (Config.optimizer_mode="auto"), once.
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=ctx.n_calls + SCHEDULE_MARGIN)
     return Workload(
-        model=model, optimizer=opt, scheduler=sched, batches=_images(ctx, batch, res, classes),
+        model=model, optimizer=opt, scheduler=sched, batches=_images(ctx, batch, res, classes, channels_last=True),
         make_step=_classifier_step(ctx, opt, list(model.parameters()), clip=None),
         details=dict(batch=f"{batch}×3×{res}×{res} channels_last", classes=classes,
                      optimizer="SGD(lr=0.1, momentum=0.9, weight_decay=1e-4)",
@@ -96,9 +99,9 @@ def vit_s16(ctx: BuildContext) -> Workload:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, **ctx.fused())
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=ctx.n_calls + SCHEDULE_MARGIN)
     return Workload(
-        model=model, optimizer=opt, scheduler=sched, batches=_images(ctx, batch, res, classes),
+        model=model, optimizer=opt, scheduler=sched, batches=_images(ctx, batch, res, classes, channels_last=False),
         make_step=_classifier_step(ctx, opt, list(model.parameters()), clip=1.0),
-        details=dict(batch=f"{batch}×3×{res}×{res} channels_last", classes=classes,
+        details=dict(batch=f"{batch}×3×{res}×{res}", classes=classes,
                      optimizer="AdamW(lr=1e-3, weight_decay=0.05)", scheduler="CosineAnnealingLR", clip=1.0,
                      package=f"timm {version_of(timm)}"),
     )  # fmt: skip

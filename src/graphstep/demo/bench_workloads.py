@@ -1,5 +1,5 @@
 """What `graphstep bench` trains: a `Workload` per config (model, optimizer, scheduler, step, data),
-and the two suites of configs.
+and the gpt suite's configs (`bench_suites.py` lists the suites).
 
 `--suite gpt` (the default) is the built-in GPT at two sizes; `--suite models` is real models no one
 here wrote (`bench_models.py`: torchvision, timm, transformers, torch_geometric, and a PPO update).
@@ -159,18 +159,3 @@ GPT_CONFIGS = {
         timed_steps=100, quick_timed_steps=20,
     ),
 }  # fmt: skip
-
-
-def suites() -> dict[str, dict[str, BenchConfig]]:
-    """Every suite's configs, by name. The models suite is imported here, not at module level:
-    its module imports nothing optional itself, but keeps this one small."""
-    from graphstep.demo.bench_models import MODEL_CONFIGS
-
-    return {"gpt": GPT_CONFIGS, "models": MODEL_CONFIGS}
-
-
-SUITE_METHODS = {
-    "gpt": ("eager", "compile", "reduce_overhead", "manual_graph", "graphstep", "graphstep_compiled"),
-    # No hand-written graph here: it would bake the schedulers' learning rates and momentum in.
-    "models": ("eager", "compile", "reduce_overhead", "graphstep", "graphstep_compiled"),
-}
