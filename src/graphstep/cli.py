@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 
@@ -24,13 +25,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(steps=args.steps, device=args.device)
     from graphstep.demo.bench import run_bench
 
+    command = shlex.join(["graphstep", *(sys.argv[1:] if argv is None else argv)])
     return run_bench(
-        configs=args.configs, methods=args.methods, out_dir=args.out, quick=args.quick, steps=args.steps
-    )
+        suite=args.suite, configs=args.configs, methods=args.methods, out_dir=args.out, quick=args.quick,
+        steps=args.steps, budget_s=args.budget, row_timeout_s=args.row_timeout, isolate=not args.in_process,
+        command=command,
+    )  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
-    from graphstep.demo.bench import CONFIGS, METHODS
+    from graphstep.demo.bench import METHODS, ROW_TIMEOUT_S
+    from graphstep.demo.bench_suites import SUITE_METHODS, suites
+
+    all_suites = suites()
+    config_names = [name for table in all_suites.values() for name in table]
 
     parser = argparse.ArgumentParser(
         prog="graphstep", description="Capture a whole PyTorch training step into CUDA graphs."
@@ -56,28 +64,62 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="time every method (eager, torch.compile, reduce-overhead, hand-written graph, graphstep) on the GPU",
-        description="Run every method side by side on one GPU and write <gpu>_<date>.json, .md and .png "
-        "to --out. Needs CUDA (exit code 2 without). Exit code 1 when some method failed; its row "
-        "records the error and the other methods still run.",
+        description="Run every method side by side on one GPU, each (config, method) in a fresh process, and "
+        "write <gpu>_<date>_<suite>[_quick].json, .md and .png to --out (JSON and Markdown after every row). "
+        "Needs CUDA (exit code 2 without). Exit code 1 when some row failed; its row records the error and "
+        "the other rows still run.",
     )
-    bench.add_argument("--quick", action="store_true", help="fewer timed steps: a few minutes in all")
+    bench.add_argument(
+        "--suite",
+        choices=list(all_suites),
+        default="gpt",
+        help="gpt: the built-in GPT at two sizes (default); models: ResNet-50, ViT-S/16, BERT-base, a 127M "
+        "Llama, a PPO update, a GCN (optional packages: pip install 'graphstep[bench]')",
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer timed steps: a few minutes per suite")
     bench.add_argument(
         "--configs",
-        type=_names(CONFIGS),
-        default=list(CONFIGS),
-        help=f"comma-separated model sizes (default: {','.join(CONFIGS)})",
+        type=_names(config_names),
+        default=None,
+        help="comma-separated configs of the suite (default: all; "
+        + "; ".join(f"{s}: {','.join(t)}" for s, t in all_suites.items())
+        + ")",
     )
     bench.add_argument(
         "--methods",
         type=_names(METHODS),
-        default=list(METHODS),
-        help=f"comma-separated methods, run in this order (default: {','.join(METHODS)})",
+        default=None,
+        help="comma-separated methods (default: all of the suite's; "
+        + "; ".join(f"{s}: {','.join(m)}" for s, m in SUITE_METHODS.items())
+        + ")",
     )
     bench.add_argument(
         "--steps", type=_positive_int, default=None, help="timed steps per method (default: per config)"
     )
     bench.add_argument(
         "--out", default="benchmarks/results", help="directory for the result files (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--budget",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop starting rows after this many seconds; rows not run say so (default: no limit). "
+        "Rows run by priority: eager, graphstep, hand-written graph; then graphstep with a compiled "
+        "model, reduce-overhead; then torch.compile",
+    )
+    bench.add_argument(
+        "--row-timeout",
+        type=_positive_float,
+        default=ROW_TIMEOUT_S,
+        metavar="SECONDS",
+        help="kill a row's process after this many seconds (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every row in this process: quicker, but a row's memory peak then includes what earlier "
+        "rows left behind, and a crash ends the run",
     )
     return parser
 
@@ -86,6 +128,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 

@@ -1,0 +1,21 @@
+"""The suites of `graphstep bench` and the methods each runs.
+
+`gpt` (the default): the built-in GPT at two sizes (`bench_workloads.py`). `models`: real models
+no one here wrote (`bench_models.py`).
+"""
+
+from __future__ import annotations
+
+from graphstep.demo.bench_models import MODEL_CONFIGS
+from graphstep.demo.bench_workloads import GPT_CONFIGS, BenchConfig
+
+SUITE_METHODS = {
+    "gpt": ("eager", "compile", "reduce_overhead", "manual_graph", "graphstep", "graphstep_compiled"),
+    # No hand-written graph here: it would bake the schedulers' learning rates and momentum in.
+    "models": ("eager", "compile", "reduce_overhead", "graphstep", "graphstep_compiled"),
+}
+
+
+def suites() -> dict[str, dict[str, BenchConfig]]:
+    """Every suite's configs, by name."""
+    return {"gpt": GPT_CONFIGS, "models": MODEL_CONFIGS}
