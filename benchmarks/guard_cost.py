@@ -76,8 +76,7 @@ def measure(check: str, device: str, n: int) -> dict:
     for _ in range(5):
         step(x)
     sync(device)
-    entry = next(iter(step._entries.values()))
-    guard = entry.guard
+    guard = next(iter(step._lives.values())).current.guard
     row = {"check": check, "parameter_tensors": sum(1 for _ in model.parameters())}
     row["tracked_tensors"] = len(guard.tensors) if guard is not None else 0  # pointer-checked
     row["guard_us"] = round(median_us(guard.holds, n), 2) if guard is not None else 0.0

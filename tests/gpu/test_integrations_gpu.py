@@ -120,7 +120,7 @@ def test_lightning_callback_bitwise_equal_to_plain_lightning(manual):
     callback = GraphStepCallback()
     g_losses, g_module, g_logged, g_steps, graphed_ms = _fit_lightning(pl, manual, [callback])
     s = callback.stats
-    assert (s.captures, s.replays) == (1, STEPS - 4), s
+    assert (s.captures, s.replays) == (1, STEPS - 3), s  # on CUDA the capturing call replays too
     assert g_steps == steps == STEPS and g_logged == logged
     for i, (a, b) in enumerate(zip(losses, g_losses, strict=True)):
         assert torch.equal(a, b), f"step {i}: {a.item()} != {b.item()}"
@@ -204,7 +204,8 @@ def test_graphstep_trainer_bitwise_equal_to_the_trainer():
     _, model, logs, plain_ms = _train_hf(transformers, transformers.Trainer)
     trainer, g_model, g_logs, graphed_ms = _train_hf(transformers, GraphStepTrainer)
     s = trainer.graphstep_stats
-    assert s.captures == 2 and s.replays == 2 * STEPS - 8, s  # two graphs: gradients synchronised or not
+    # Two graphs (gradients synchronised or not); on CUDA each capturing call replays too.
+    assert s.captures == 2 and s.replays == 2 * STEPS - 6, s
     assert g_logs == logs and len(logs) == STEPS
     for (name, p), q in zip(model.named_parameters(), g_model.parameters()):
         assert torch.equal(p, q), name
@@ -229,6 +230,7 @@ def test_graphstep_trainer_with_an_attention_mask():
 def _accelerate_run(accelerate, captured: bool):
     from graphstep.integrations.huggingface import capture_accelerated
 
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test made one
     accelerator = accelerate.Accelerator(mixed_precision="bf16")
     torch.manual_seed(0)
     model = GPT(CFG).cuda()
@@ -257,7 +259,7 @@ def _accelerate_run(accelerate, captured: bool):
         torch.cuda.synchronize()
     ms = (time.perf_counter() - start) / (STEPS - STEPS // 2) * 1e3
     if captured:
-        assert step.stats.replays == STEPS - 4, step.stats
+        assert step.stats.replays == STEPS - 3, step.stats
         step.close()
     return losses, model, ms
 
