@@ -307,6 +307,7 @@ class CudaGraphBackend:
                         with contextlib.suppress(Exception):
                             graph.reset()
                     self._abandon_pool()
+                    self._end_generator_capture(generators)
                     raise
                 end_part()
         finally:
@@ -323,6 +324,22 @@ class CudaGraphBackend:
         recording.cuda_graphs = graphs
         recording.outputs = outputs
         return recording
+
+    def _end_generator_capture(self, generators: list) -> None:
+        """A capture invalidated by the step (a host sync) makes `capture_end` fail before it tells
+        the RNG generators the capture is over: each would then refuse every later random draw
+        ("Offset increment outside graph capture"). A tiny capture of its own, in a pool of its
+        own, begins and ends their capture again, cleanly."""
+        with contextlib.suppress(Exception):
+            graph = torch.cuda.CUDAGraph()
+            for generator in generators:
+                graph.register_generator_state(generator)
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+                torch.empty(1, device=self.device).uniform_()
+                graph.capture_end()
+            graph.reset()
+            self.stream.synchronize()
 
     def _abandon_pool(self) -> None:
         """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
