@@ -201,7 +201,7 @@ def test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank(
         message = report["message"]
         assert "while capturing" in message and "collective #5" in message, message
         assert "rank 3: collective #5: c10d.allreduce_ of [float32[1]]" in message, message
-        assert "dist_workers.py" in message and "dist.all_reduce(torch.ones(1))" in message, message
+        assert "dist_workers.py" in message and "dist.all_reduce(torch.ones(1" in message, message
         assert "ranks 0, 1, 2: none: the step ended after 4 collectives" in message, message
         assert report["stats"]["captures"] == 0 and report["stats"]["replays"] == 0
 

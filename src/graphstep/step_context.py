@@ -67,8 +67,8 @@ class StepContext:
         one whose state holds Python numbers (a custom optimizer's step counter, which no graph
         would update), and one with a scheduler attached (torch's schedulers add `initial_lr`, and
         `base_momentum` when they cycle momentum) that changes a value it bakes."""
-        if self.config.optimizer_mode != "auto":
-            return
+        if self.config.optimizer_mode != "auto" or not self.backend.static_buffers:
+            return  # the eager backend runs every step eagerly already
         for opt in self.state.optimizers:
             if any(opt is o for o in self.eager_optimizers):
                 continue
