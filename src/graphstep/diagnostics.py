@@ -139,24 +139,6 @@ def capture_error(step_name: str, exc: BaseException) -> Exception:
     )
 
 
-def host_sync_error(step_name: str, sites: list[str], rank: int | None = None) -> Exception:
-    """The `HostSyncError` refusing a capture: the last warm-up synchronised at `sites`, or,
-    in a distributed step, on another `rank` (whose own error lists where)."""
-    from .errors import HostSyncError
-
-    if rank is not None:
-        found = f" on rank {rank} (its error says where), and ranks capture together, so no rank captures.\n"
-    else:
-        found = ", so it cannot be captured:\n" + "".join(f"  - {site}\n" for site in sites)
-    return HostSyncError(
-        f"{step_name} synchronises with the host{found}"
-        + "A CUDA graph replays device work only: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)`, "
-        "`if tensor:`, `nonzero` and boolean-mask indexing need the host to wait. Keep values on the "
-        "device (`torch.where` instead of branching; masks multiplied in instead of indexing), and "
-        "return tensors from the step to log them outside it. Nothing was run for this call."
-    )
-
-
 def eager_fallback_message(step_name: str, max_graphs: int, signature: object) -> str:
     return (
         f"graphstep: {step_name} already holds max_graphs={max_graphs} graphs; running this call "
