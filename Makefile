@@ -18,6 +18,8 @@ TORCH_SITE := import os, torch; print(os.path.dirname(os.path.dirname(torch.__fi
 VENV_SITE := import sysconfig; print(sysconfig.get_path('purelib'))
 TORCH_SAYS := import torch; print(f'make: torch {torch.__version__} ({\"CUDA \" + torch.version.cuda if torch.version.cuda else \"CPU build\"}) from {torch.__path__[0]}')
 
+PYTHON_PATH_TESTS := tests/test_guards.py tests/test_guards_reads.py tests/test_variants.py
+
 .PHONY: setup test demo bench lint gpu-check clean
 
 $(BIN)/python:
@@ -32,11 +34,17 @@ $(BIN)/python:
 setup: $(BIN)/python
 	@$(BIN)/python -c "$(TORCH_OK)" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
 	@$(BIN)/python -c "$(TORCH_SAYS)"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	@# Without build isolation the build sees the torch above and compiles the C++ guard helper
+	@# (setup.py; skipped, with a message, where it cannot be built).
+	$(BIN)/pip install -q "setuptools>=64" wheel
+	$(BIN)/pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	@$(BIN)/python -c "from graphstep import fastcheck; print('make: guards read tensors ' + ('in C++' if fastcheck.helper() else 'from Python (no C++ helper)'))"
 
 test: setup
 	$(BIN)/python -m ruff check src tests examples
 	$(BIN)/python -m pytest -q
+	@# The guards once more on their pure-Python path (the fallback where the helper is not built).
+	GRAPHSTEP_FASTCHECK=0 $(BIN)/python -m pytest -q $(PYTHON_PATH_TESTS)
 
 demo: setup
 	$(BIN)/graphstep demo
@@ -49,4 +57,4 @@ lint: setup
 	$(BIN)/python -m ruff format --check src tests examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/graphstep/*.so

@@ -1,7 +1,9 @@
 """Where graphstep's extra reserved memory goes on GPT-2 small (bench target: <= 1.05x eager's peak).
 
-Runs eager, then graphstep, on fresh models (same step as `graphstep bench`), and after each phase reads
-the allocator: reserved memory in the step's private pool and outside it, and peak reserved/allocated.
+Runs eager, graphstep (warm-up inside the step's pool, the default) and graphstep warming up outside the
+pool (the default pool's cache emptied before capture), each in a fresh process on a fresh model (same
+step as `graphstep bench`), and after each phase reads the allocator: reserved memory in the step's
+private pool and outside it, and peak reserved/allocated.
 Writes benchmarks/results/<gpu>_<date>_memory.json. Run on a GPU machine.
 """
 
@@ -9,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -32,54 +35,64 @@ def pool_split(pool) -> dict:
     return {"pool_gib": round(inside / GIB, 3), "outside_pool_gib": round((total - inside) / GIB, 3)}
 
 
-def fresh() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+METHODS = ("eager", "graphstep", "graphstep_warm_up_outside_pool")
 
 
 def run(method: str, data: list) -> dict:
+    from graphstep.backends import CudaGraphBackend
+
+    CudaGraphBackend.warm_up_in_pool = method != "graphstep_warm_up_outside_pool"
     torch.manual_seed(0)
     model = GPT(GPT2_SMALL).cuda()
     opt = make_optimizer(model, torch.device("cuda"))
     fn = make_train_step(model, opt, amp=True)
-    step = graphstep.capture(fn, model=model, optimizer=opt) if method == "graphstep" else fn
+    step = graphstep.capture(fn, model=model, optimizer=opt) if method != "eager" else fn
     phases = {}
     for i, (x, y) in enumerate(data):
         step(x, y)
         torch.cuda.synchronize()
         if i in (0, 2, 3, len(data) - 1):  # after 1st warm-up, last warm-up, capture, steady state
-            pool = step._backend.pool if method == "graphstep" else None
+            pool = step._ctx.backend.pool if method != "eager" else None
             phases[f"after_call_{i + 1}"] = {
                 "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
                 "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+                "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
                 "allocated_gib": round(torch.cuda.memory_allocated() / GIB, 3),
                 **pool_split(pool),
             }
-    if method == "graphstep":
-        step.close()
-    del model, opt, fn, step
     return phases
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--method", choices=METHODS, help="run one method here (the parent runs each alone)")
     args = parser.parse_args()
-    data = make_batches(GPT2_SMALL, batch_size=8, n_batches=8, seed=0, device="cuda")
+    if args.method:  # a child: one method in a fresh process, its phases as JSON on the last line
+        data = make_batches(GPT2_SMALL, batch_size=8, n_batches=8, seed=0, device="cuda")
+        print(json.dumps(run(args.method, data)))
+        return
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
-        "config": "GPT-2 small, batch 8 x 1024, AdamW (graphstep settings), clip 1.0, bf16 autocast; 8 calls",
+        "config": "GPT-2 small, batch 8 x 1024, AdamW (graphstep settings), clip 1.0, bf16 autocast; 8 calls; "
+        "each method in a fresh process",
     }
-    for method in ("eager", "graphstep"):
-        fresh()
-        result[method] = run(method, data)
+    for method in METHODS:
+        out = subprocess.run(
+            [sys.executable, __file__, "--method", method], capture_output=True, text=True, check=True
+        )
+        result[method] = json.loads(out.stdout.strip().splitlines()[-1])
         print(method, json.dumps(result[method], indent=1))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{gpu_slug(result['gpu'])}_{result['date']}_memory.json"
+    eager_peak = result["eager"]["after_call_8"]["peak_reserved_gib"]
+    result["peak_reserved_over_eager"] = {
+        m: round(result[m]["after_call_8"]["peak_reserved_gib"] / eager_peak, 3) for m in METHODS
+    }
+    print(result["peak_reserved_over_eager"])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{gpu_slug(result['gpu'])}_{result['date']}_memory.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -6,10 +6,13 @@
 // pure-Python path in guards.py: the tensors' data pointers, and the parameters' requires_grad,
 // are what they were when the check was made.
 
+// Only the headers it needs (not torch/extension.h): it compiles in about half the time.
+#include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
 
 #include <vector>
+
+namespace py = pybind11;
 
 namespace {
 
@@ -58,7 +61,13 @@ class TensorCheck {
 
 }  // namespace
 
+#ifndef GRAPHSTEP_TORCH_VERSION
+#define GRAPHSTEP_TORCH_VERSION "unknown"
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The torch it was compiled against: fastcheck.py refuses it under any other (its ABI may differ).
+  m.attr("torch_version") = GRAPHSTEP_TORCH_VERSION;
   py::class_<TensorCheck>(m, "TensorCheck")
       .def(py::init<const py::list&, const py::list&, const py::list&>())
       .def("holds", &TensorCheck::holds);

@@ -32,6 +32,7 @@ from .signature import Signature
 from .state import TrainingState, as_list
 from .step_context import StepContext
 
+_ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
 _MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
 
 
@@ -209,9 +210,10 @@ class CapturedStep:
                 return self._run_eager_fallback(signature, args, kwargs)
         plan = life.plan()
         if ctx.ranks is None:
-            return life.act(
-                plan, Agreement(plan.phase, None, 0 if plan.limited else None), leaves, args, kwargs
-            )
+            if plan.phase is Phase.REPLAY:
+                return life.act(plan, _ALONE, leaves, args, kwargs)
+            agreed = Agreement(plan.phase, None, 0 if plan.limited else None)
+            return life.act(plan, agreed, leaves, args, kwargs)
         agreed = ctx.ranks.agree(plan.phase, plan.limited, self._name)  # all act on the least advanced
         if agreed.phase is Phase.REPLAY:
             return life.act(plan, agreed, leaves, args, kwargs)

@@ -7,14 +7,15 @@ loop (about 9 us for 1,000 tensors on the CPU that measured the former).
 
 The helper is used when it can be imported:
 
-- `graphstep._fastcheck_ext`, built at install time (to be wired into the build: see the
-  report of the guards branch), or
+- `graphstep._fastcheck_ext`, built at install time by setup.py when torch is importable during
+  the build (`pip install --no-build-isolation`, as `make setup` does) and a C++ compiler works
+  (about 40 s), or
 - built on first use with `torch.utils.cpp_extension.load` (a C++ compiler and ninja needed;
   about 30 s once, cached in torch's extension directory) when `GRAPHSTEP_BUILD_FASTCHECK=1`.
 
-Anything else (no compiler, a torch whose ABI differs from the one it was built against) falls
-back to Python, with one log line saying which path runs. Set `GRAPHSTEP_FASTCHECK=0` to force
-the Python path.
+Anything else (no compiler, a torch other than the one it was built against: the helper records
+that version and is refused under another) falls back to Python, with one log line saying which
+path runs. Set `GRAPHSTEP_FASTCHECK=0` to force the Python path.
 """
 
 from __future__ import annotations
@@ -34,26 +35,55 @@ def helper() -> Any:
     """The extension module with `TensorCheck(tensors, requiring, frozen)`, or None."""
     if os.environ.get("GRAPHSTEP_FASTCHECK") == "0":
         return None
+    module = _installed()
+    if module is None and os.environ.get("GRAPHSTEP_BUILD_FASTCHECK") == "1":
+        module = _built_now()
+    if module is None:
+        log.info("graphstep: guards read tensors from Python (the C++ helper is not built)")
+        return None
+    log.info("graphstep: guards read tensors with the C++ helper")
+    return module
+
+
+def _installed() -> Any:
+    """The helper built at install time, if it was and fits the torch running now."""
     try:
         from . import _fastcheck_ext  # type: ignore[attr-defined]
-
-        return _fastcheck_ext
-    except ImportError:
-        pass
+    except ModuleNotFoundError:
+        return None
     except Exception as exc:  # built against another torch: undefined symbols and the like
         log.warning("graphstep: the C++ guard helper failed to load (%s); using the Python path", exc)
         return None
-    if os.environ.get("GRAPHSTEP_BUILD_FASTCHECK") != "1":
-        log.info(
-            "graphstep: guards read tensors from Python (set GRAPHSTEP_BUILD_FASTCHECK=1 to build the C++ helper)"
-        )
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+    return _if_same_torch(_fastcheck_ext)
 
-        module = load("graphstep_fastcheck", [_SOURCE], extra_cflags=["-O2"], verbose=False)
+
+def _built_now() -> Any:
+    import torch
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(
+            "graphstep_fastcheck",
+            [_SOURCE],
+            extra_cflags=["-O2", f'-DGRAPHSTEP_TORCH_VERSION="{torch.__version__}"'],
+            verbose=False,
+        )
     except Exception as exc:
         log.warning("graphstep: building the C++ guard helper failed (%s); using the Python path", exc)
         return None
-    log.info("graphstep: guards read tensors with the C++ helper")
+    return _if_same_torch(module)
+
+
+def _if_same_torch(module: Any) -> Any:
+    import torch
+
+    built_for = getattr(module, "torch_version", "unknown")
+    if built_for != torch.__version__:  # its view of torch's structures may be wrong: never guess
+        log.warning(
+            "graphstep: the C++ guard helper was built for torch %s, this is torch %s; using the Python path "
+            "(reinstall graphstep with `pip install --no-build-isolation` to rebuild it)",
+            built_for,
+            torch.__version__,
+        )
+        return None
     return module

@@ -403,6 +403,40 @@ class StateGuard:
         return found
 
 
+_MISSING = object()
+_IMMUTABLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Tensor)
+
+
+class _Seen:
+    """The value objects of one param group, to tell by identity that none was assigned since."""
+
+    __slots__ = ("group", "keys", "n", "values")
+
+    def __init__(self, group: dict):
+        self.group = group
+        self.renew()
+
+    def renew(self) -> None:
+        group = self.group
+        self.n = len(group)
+        # A value that can change in place (a list) must be compared every time: no shortcut.
+        immutable = all(
+            isinstance(v, _IMMUTABLE) or (type(v) is tuple and all(isinstance(x, _IMMUTABLE) for x in v))
+            for k, v in group.items()
+            if k != "params"
+        )
+        self.keys = tuple(group) if immutable else None
+        self.values = tuple(group.values()) if immutable else None
+
+    def holds(self) -> bool:
+        group = self.group
+        return (
+            self.keys is not None
+            and len(group) == self.n
+            and all(map(operator.is_, map(group.get, self.keys, itertools.repeat(_MISSING)), self.values))
+        )
+
+
 class _OptimizerWatch:
     """The param groups of the optimizers a graph runs: same lists, same parameters, and the same
     Python hyperparameters (tensors in a group are read live by the graph)."""
@@ -431,18 +465,23 @@ class _OptimizerWatch:
             )
             for opt in optimizers
         ]
+        self.seen = [_Seen(g) for *_, groups, _ in self.optimizers for g, *_ in groups]
+        """Per group, the value objects last found equal: when every one is still there, nothing
+        was assigned and no value needs comparing (the common replay)."""
 
     def holds(self) -> bool:
+        seen = iter(self.seen)
         for opt, state, groups_list, groups, n_groups in self.optimizers:
             if opt.state is not state or opt.param_groups is not groups_list or len(groups_list) != n_groups:
                 return False
             for group, params, n_params, ignored, hyper in groups:
-                if (
-                    group["params"] is not params
-                    or len(params) != n_params
-                    or hyperparameters(group, ignored) != hyper
-                ):
+                if group["params"] is not params or len(params) != n_params:
                     return False
+                unchanged = next(seen)
+                if not unchanged.holds():
+                    if hyperparameters(group, ignored) != hyper:
+                        return False
+                    unchanged.renew()  # assigned, but equal (a scheduler's constant phase)
         return True
 
     def changes(self) -> list[Change]:

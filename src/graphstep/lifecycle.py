@@ -16,6 +16,7 @@ Each call goes plan (what this rank would do) -> agreement (what all ranks do, s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -70,6 +71,9 @@ class Plan:
     """A counted re-capture would pass `Config.max_recaptures`."""
 
 
+_REPLAY = Plan(Phase.REPLAY, "replay")  # most calls: made once
+
+
 class Lifecycle:
     """One input signature of a captured step: its buffers, warm-ups and graph variants."""
 
@@ -80,6 +84,8 @@ class Lifecycle:
         self.buffers: list[torch.Tensor] | None = None
         self.host_staged = False
         """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
+        self.grad_buffers = False
+        """Some buffers require grad: loading them must not be recorded by autograd."""
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
@@ -105,16 +111,16 @@ class Lifecycle:
         if current.modes_epoch != ctx.modes_epoch:
             return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
         if current.guard is None or current.guard.holds():
-            return Plan(Phase.REPLAY, "replay")
+            return _REPLAY
         changes = current.guard.changes()
         if not changes:  # an unrelated module elsewhere in the process was re-registered
-            return Plan(Phase.REPLAY, "replay")
+            return _REPLAY
         texts = tuple(getattr(c, "text", c) for c in changes)
         for variant in self.variants:
             if variant is not current and variant.modes_epoch == ctx.modes_epoch and variant.guard.holds():
                 self.current = variant
                 ctx.stats.variant_switches += 1
-                return Plan(Phase.REPLAY, "replay")
+                return _REPLAY
         if ctx.optim.state_layout() != current.optimizer_layout or any(
             getattr(c, "warm_up", False) for c in changes
         ):
@@ -280,13 +286,14 @@ class Lifecycle:
             for buffer, t in zip(self.buffers, leaves):
                 buffer.requires_grad_(t.requires_grad and t.is_leaf)
             self.host_staged = any(b.is_pinned() for b in self.buffers)
+            self.grad_buffers = any(b.requires_grad for b in self.buffers)
         return self.buffers
 
     def load(self, leaves: list[torch.Tensor]) -> None:
         """Copy the call's tensors into the graph's input buffers (none when they are the buffers)."""
         if self.host_staged:  # the previous replay may still be reading a host buffer
             torch.cuda.current_stream(self.ctx.backend.index).synchronize()
-        with torch.no_grad():
+        with torch.no_grad() if self.grad_buffers else contextlib.nullcontext():
             for buffer, t in zip(self.buffers, leaves):
                 if t is not buffer:
                     buffer.copy_(t)

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from .errors import UnsupportedInputError, UnsupportedOutputError
 
 _TENSOR = "<tensor>"  # a spec's placeholder for a tensor leaf
+_FLAT_SPECS: dict[int, Any] = {}  # the spec of `step(t1, ..., tn)`, by n
 
 
 class TensorMeta(NamedTuple):
@@ -30,7 +32,8 @@ class TensorMeta(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(tuple(t.shape), t.dtype, t.device, t.stride(), t.requires_grad)
+        # tuple.__new__: the namedtuple's own __new__ is a Python function, and this runs per call.
+        return tuple.__new__(cls, (t.shape, t.dtype, t.device, t.stride(), t.requires_grad))
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -108,22 +111,41 @@ def value_of(leaf_spec: Any) -> Any:
     return leaf_spec[2]
 
 
-@dataclasses.dataclass(frozen=True)
 class Signature:
-    """What makes two calls replayable by one graph: the arguments' spec and their tensors' metadata."""
+    """What makes two calls replayable by one graph: the arguments' spec and their tensors' metadata.
 
-    spec: Any
-    tensors: tuple[TensorMeta, ...]
+    Hashable and compared by value; the hash is computed once (a signature is looked up every call).
+    """
+
+    __slots__ = ("_hash", "spec", "tensors")
+
+    def __init__(self, spec: Any, tensors: tuple[TensorMeta, ...]):
+        self.spec = spec
+        self.tensors = tensors
+        try:
+            self._hash = hash((spec, tensors))
+        except TypeError:
+            raise UnsupportedInputError(_unhashable_message(spec)) from None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Signature):
+            return NotImplemented
+        return self._hash == other._hash and self.tensors == other.tensors and self.spec == other.spec
+
+    def __repr__(self) -> str:
+        return f"Signature({self.describe()})"
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> tuple[Signature, list[torch.Tensor]]:
-        leaves, spec = flatten((args, kwargs))
-        sig = cls(spec, tuple(TensorMeta.of(t) for t in leaves))
-        try:
-            hash(sig)
-        except TypeError:
-            raise UnsupportedInputError(_unhashable_message(spec)) from None
-        return sig, leaves
+        if not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args):
+            leaves = list(args)  # the common call, step(x, y): no tree to walk
+            spec = _FLAT_SPECS.get(len(leaves)) or _FLAT_SPECS.setdefault(len(leaves), flatten((args, {}))[1])
+        else:
+            leaves, spec = flatten((args, kwargs))
+        return cls(spec, tuple(map(TensorMeta.of, leaves))), leaves
 
     def describe(self) -> str:
         """One line per leaf: `x: bfloat16[8, 64] on cuda:0`, `n: int 4`."""

@@ -73,3 +73,17 @@ def run(step: Callable, data: list) -> list[torch.Tensor]:
 
 
 __all__ = ["graphstep"]
+
+
+@contextlib.contextmanager
+def transformers_capture_path() -> Iterator[None]:
+    """Run transformers' code as it runs while a stream captures (explicit masks, no host
+    checks), so an eager twin is comparable bitwise with the captured step."""
+    from transformers.utils import import_utils  # is_tracing() asks this module's function
+
+    original = import_utils.is_cuda_stream_capturing
+    import_utils.is_cuda_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        import_utils.is_cuda_stream_capturing = original

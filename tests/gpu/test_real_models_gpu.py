@@ -7,15 +7,14 @@ so, when its package is missing."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_common import assert_same_params, deterministic, needs_cuda
+from gpu_common import assert_same_params, deterministic, needs_cuda, transformers_capture_path
 
 import graphstep
 from graphstep.optim import make_capturable
@@ -99,20 +98,6 @@ def test_torchvision_resnet_sgd_momentum_one_cycle():
     with deterministic():
         step, _ = side_by_side(pair, make_step, data)
     assert step.stats.captures == 1  # OneCycleLR drives SGD's baked lr and momentum: an eager segment
-
-
-@contextlib.contextmanager
-def transformers_capture_path() -> Iterator[None]:
-    """Run transformers' code as it runs while a stream captures (explicit masks, no host
-    checks), so an eager twin is comparable bitwise with the captured step."""
-    from transformers.utils import import_utils  # is_tracing() asks this module's function
-
-    original = import_utils.is_cuda_stream_capturing
-    import_utils.is_cuda_stream_capturing = lambda: True
-    try:
-        yield
-    finally:
-        import_utils.is_cuda_stream_capturing = original
 
 
 def hf_step(model, opt):

@@ -51,7 +51,11 @@ MEASUREMENT = {
     "sum of the self device time of every GPU event (kernels, memcpy, memset; the profiler table's 'Self CUDA "
     "time total') divided by the steps. For graph methods, the replayed graph's kernels. The floor "
     "pipelined_ms could reach.",
-    "pipelined_over_kernel": "pipelined_ms / kernel_ms: 1.00 means the GPU never waits for the host.",
+    "pipelined_over_kernel": "pipelined_ms / kernel_ms: 1.00 means the GPU never waits for the host, nor "
+    "between kernels (kernel_ms leaves out the GPU's own gaps between the kernels of a graph).",
+    "graph_floor_ms": "graphstep rows: the captured graph alone, launched pipelined_calls times back to back "
+    "with one synchronisation at the end, per launch: pipelined_ms without graphstep's host work and input "
+    "copies. pipelined_ms / graph_floor_ms near 1 means graphstep's host side costs the GPU nothing.",
     "host_us": "median over the pipelined calls of the host time of one call (until it returns, GPU work "
     "not awaited), in microseconds.",
     "graphstep_host_us": "graphstep rows: its own StepStats.replay_s / replays over the pipelined calls, "
@@ -201,6 +205,8 @@ def _run_phases(
         row["host_us"] = statistics.median(host_s) * 1e6
     if captured is not None:
         row["graphstep"] = graphstep_stats(captured.stats, before)
+        if cuda and counts.pipelined_calls:
+            row["graph_floor_ms"] = graph_floor_ms(captured, counts.pipelined_calls)
     if cuda:
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -215,6 +221,23 @@ def _run_phases(
         row["final_loss"] = final_loss
     elif final_loss is not None:  # JSON has no NaN: the value goes into the error
         row["error"] = f"non-finite loss {final_loss} after {counts.warmup_calls + counts.timed_steps} steps"
+
+
+def graph_floor_ms(captured: Any, calls: int) -> float | None:
+    """The captured graph alone, launched `calls` times back to back with one synchronisation at
+    the end, per call: what pipelined_ms would be if graphstep's host work (and the input copies)
+    cost nothing. None when the step has eager segments or no single current graph."""
+    lives = list(getattr(captured, "_lives", {}).values())
+    if len(lives) != 1 or lives[0].current is None or lives[0].current.recording.segments:
+        return None
+    parts = lives[0].current.recording.parts
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        for part in parts:
+            part()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def graphstep_stats(stats: Any, before: Any = None) -> dict[str, Any]:

@@ -1,0 +1,160 @@
+"""Where graphstep's host time per replayed call goes (issue 13: <= 25 us on the tiny GPT, <= 50 us
+on the 1,000-tensor model of guard_cost.py with check="full").
+
+For each model, after capture, every stage of a replayed call is timed alone, and the whole call:
+
+- `signature`: flattening the arguments and building the key that picks a graph;
+- `live_hyperparameters`: `OptimizerAdapter.before_call()` (numbers a scheduler assigned go into the
+  graph's tensors);
+- `plan_and_guards`: `Lifecycle.plan()`, i.e. `StateGuard.holds()`;
+- `input_copies`: copying the call's tensors into the graph's input buffers;
+- `replay`: `Recording.replay` (the graph launch(es) plus re-attaching grads);
+- `outputs`: cloning the outputs;
+- `whole_call`: `step(*args)`;
+- `bare_launch`: the graph parts alone (`CUDAGraph.replay()`): what a hand-written graph pays too.
+
+`graphstep_us = whole_call - bare_launch - input_copies`: graphstep's own host time per call (a
+hand-written graph copies its inputs too). Each number is the lowest of 5 medians of n/5 calls; on a GPU
+the device is synchronised after every timed call, outside the timing, so no call waits for an earlier
+one. On a CPU the recording backend stands in for CUDA graphs, and its recorded operations are replaced
+by no-ops after capture: what is left is graphstep's own Python, the same as on a GPU.
+
+Writes benchmarks/results/<device>_<date>_host-cost[_TAG].json. `--tag before` with PYTHONPATH pointing at
+an older checkout's src gives the before column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import graphstep
+from graphstep.signature import Signature
+
+sys.path.insert(0, str(Path(__file__).parent))
+import guard_cost
+
+ROUNDS = 5
+
+
+def timed_us(fn, n: int, sync) -> float:
+    medians = []
+    for _ in range(ROUNDS):
+        times = []
+        for _ in range(max(1, n // ROUNDS)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            sync()
+        medians.append(statistics.median(times))
+    return min(medians) * 1e6
+
+
+def tiny_gpt(device: str):
+    from graphstep.demo.gpt import GPT, TINY, make_batches
+    from graphstep.demo.train import make_optimizer, make_train_step
+
+    torch.manual_seed(0)
+    model = GPT(TINY).to(device)
+    if device == "cuda":
+        opt = make_optimizer(model, torch.device(device))
+        config = graphstep.Config()
+    else:  # AdamW on a CPU reads its step count on the host: SGD with momentum stands in
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+        config = graphstep.Config(backend="recording")
+    fn = make_train_step(model, opt, amp=device == "cuda")
+    x, y = make_batches(TINY, batch_size=8, n_batches=1, device=device)[0]
+    return graphstep.capture(fn, model=model, optimizer=opt, config=config), (x, y)
+
+
+def thousand_tensors(device: str):
+    step, _ = guard_cost.build("full", device)
+    return step, (torch.randn(8, 16, device=device),)
+
+
+def stages(step, args: tuple, n: int, sync) -> dict:
+    for _ in range(5):
+        step(*args)
+    sync()
+    life = next(iter(step._lives.values()))
+    ctx = step._ctx
+    recording = life.current.recording
+    if ctx.backend.name != "cuda":  # time graphstep's Python, not the recording's operations
+        recording.parts = [lambda: None for _ in recording.parts]
+    _, leaves = Signature.of(args, {})
+
+    def bare_launch():
+        for part in recording.parts:
+            part()
+
+    parts = {
+        "signature": lambda: Signature.of(args, {}),
+        "live_hyperparameters": ctx.optim.before_call,
+        "plan_and_guards": life.plan,
+        "input_copies": lambda: life.load(leaves),
+        "replay": lambda: recording.replay(args, {}),
+        "outputs": lambda: life.deliver(recording.outputs),
+        "whole_call": lambda: step(*args),
+        "bare_launch": bare_launch,
+    }
+    row = {name: round(timed_us(fn, n, sync), 2) for name, fn in parts.items()}
+    row["graphstep_us"] = round(row["whole_call"] - row["bare_launch"] - row["input_copies"], 2)
+    row["parameter_tensors"] = sum(1 for m in step._state.modules for _ in m.parameters())
+    guard = life.current.guard
+    row["cpp_guard_helper"] = getattr(guard, "fast", None) is not None
+    step.close()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("-n", type=int, default=1000, help="timed calls per stage")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    rows = {}
+    for name, build in (("tiny_gpt", tiny_gpt), ("1000_tensors_check_full", thousand_tensors)):
+        step, inputs = build(args.device)
+        rows[name] = stages(step, inputs, args.n, sync)
+        print(name, json.dumps(rows[name]))
+    if args.device == "cuda":
+        from graphstep.demo.bench import gpu_slug
+
+        hardware, slug = torch.cuda.get_device_name(), gpu_slug(torch.cuda.get_device_name())
+    else:
+        hardware, slug = platform.processor() or platform.machine(), "cpu"
+    result = {
+        "device": args.device,
+        "hardware": hardware,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "graphstep_from": graphstep.__file__,
+        "config": "tiny GPT (batch 8x64, AdamW capturable on CUDA, SGD momentum on CPU, bf16 autocast on "
+        "CUDA); 500 x Linear(16,16) with check='full' (guard_cost.py). Stages timed alone after capture: "
+        f"lowest of {ROUNDS} medians over {args.n // ROUNDS} calls each, device synchronised between calls "
+        "outside the timing. graphstep_us = whole_call - bare_launch - input_copies.",
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"_{args.tag}" if args.tag else ""
+    path = out / f"{slug}_{result['date']}_host-cost{tag}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
