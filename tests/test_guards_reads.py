@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 import graphstep
 import helpers_reads
 from cpu_common import TinyNet, batches, same_params
-from graphstep.guards import Change, StateGuard, hyperparameters
+from graphstep.change import Change
+from graphstep.guards import StateGuard
+from graphstep.optim_guard import hyperparameters
 from graphstep.reads import Reads, ReadWatch
 from graphstep.state import TrainingState
 
@@ -416,3 +418,30 @@ def test_probing_a_guard_that_fails_has_no_side_effect():
     model.fc2.bias.requires_grad_(True)
     assert guard.holds()
     assert all(p.grad is b and not b.any() for p, b in zip(model.parameters(), buffers))
+
+
+def test_optimizer_values_are_compared_after_an_assignment_and_lists_always():
+    from graphstep.optim_guard import OptimizerWatch
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    group = opt.param_groups[0]
+    watch = OptimizerWatch([opt], [opt], lambda o, k: False)
+    seen = watch.seen[0]
+    assert watch.holds() and seen.holds()  # nothing assigned: identity alone decides
+    group["lr"] = float("0.1")  # equal, another object: compared once, then adopted
+    assert not seen.holds() and watch.holds() and seen.holds()
+    group["lr"] = 0.2
+    assert not watch.holds()
+    group["lr"] = 0.1
+    assert watch.holds()
+    del group["momentum"]
+    group["dampening_too"] = 0.9  # a key swapped for another: as many keys, other names
+    assert not watch.holds()
+
+    listed = torch.optim.SGD([p], lr=0.1)
+    listed.param_groups[0]["schedule"] = [1, 2]  # can change in place: compared on every check
+    watch = OptimizerWatch([listed], [listed], lambda o, k: False)
+    assert watch.holds() and not watch.seen[0].holds()
+    listed.param_groups[0]["schedule"].append(3)
+    assert not watch.holds()

@@ -1,4 +1,5 @@
-"""The package's shape: no import circles between graphstep's modules, and no module past ~500 lines."""
+"""The package's shape: no import circles between graphstep's modules, no module past ~500 lines, no class
+past ~250."""
 
 from __future__ import annotations
 
@@ -91,3 +92,13 @@ def test_the_core_imports_one_way():
 def test_no_module_is_past_500_lines():
     long = {p.name: n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"modules past 500 lines: {long}"
+
+
+def test_no_class_is_past_250_lines():
+    long = {
+        f"{p.name}:{node.name}": size
+        for p in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > 250
+    }
+    assert not long, f"classes past 250 lines: {long}"

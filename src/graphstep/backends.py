@@ -265,12 +265,7 @@ class CudaGraphBackend:
             end(self.index, self.pool)
             release(self.index, self.pool)
 
-    warm_up_in_pool = True
-    """Warm up inside the pool (its cached blocks are what capture re-uses), or outside it, with
-    the default pool's cache emptied before capture. See benchmarks/memory_breakdown.py."""
-
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
-        in_pool = in_pool and self.warm_up_in_pool
         with self._on_capture_stream(), self._in_pool() if in_pool else contextlib.nullcontext():
             return fn(*args, **kwargs)
 
@@ -294,8 +289,6 @@ class CudaGraphBackend:
 
         torch.cuda.synchronize(self.index)
         gc.collect()  # a collection inside capture could free memory a kernel is using
-        if not self.warm_up_in_pool:
-            torch.cuda.empty_cache()  # warm-up's cached blocks back to the driver, for the pool to take
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:

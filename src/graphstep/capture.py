@@ -156,7 +156,7 @@ class CapturedStep:
         life = self._lifecycle(signature)
         if life is None:
             raise TooManyGraphsError(self._too_many_message(signature))
-        return sig.unflatten(signature.spec, life.input_buffers(leaves))
+        return sig.unflatten(signature.spec, life.inputs.like(leaves))
 
     def reset(self) -> None:
         """Drop every graph; the next call of each signature warms up again."""

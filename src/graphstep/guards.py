@@ -21,7 +21,8 @@ holds:
 Cost per replay: module modes and attributes through a write barrier (free unless a watched
 module was written), one pass over the tensors' data pointers and the parameters' `requires_grad`
 (in C++ when the helper of `fastcheck.py` is built: ~10 us instead of ~120 us for 1,000
-parameters), and a few reads per optimizer group and per global the step read. Names and
+parameters), an identity test per optimizer group value (see `optim_guard.py`) and a few reads per
+global the step read. Names and
 reasons are only worked out once something changed (`changes()`, a list of `Change`).
 Strong references are held, so memory a graph uses can never be freed under it.
 """
@@ -38,32 +39,10 @@ import torch
 from torch import nn
 
 from . import barriers, fastcheck
-from .optim import baked_hyperparameters
+from .change import Change
+from .optim_guard import OptimizerWatch
 from .reads import ReadGuard, Reads
 from .state import TrainingState, follow, storage_paths
-
-
-@dataclasses.dataclass(frozen=True)
-class Change:
-    """One reason a guard fails, as a user reads it (`str(change)`) and as the lifecycle acts on it."""
-
-    text: str
-    variant: bool = False
-    """True for a value that can come back and for which a graph captured separately is valid:
-    a module's mode, a `requires_grad`, a module attribute, an optimizer hyperparameter baked into
-    the graph, a Python value of a global or closure. False for identity changes: storage moved, a
-    grad replaced, an object rebound, param groups replaced, a (re-)registration."""
-    optimizer: torch.optim.Optimizer | None = None
-    """The optimizer whose param-group hyperparameters changed (it could run eagerly instead)."""
-    key: str | None = None
-    """Which param-group key of `optimizer` changed."""
-    warm_up: bool = False
-    """Run the next call eagerly before capturing: it creates state lazily (a parameter unfrozen
-    that its optimizer holds no state for yet), which a capture would bake in as a first step."""
-
-    def __str__(self) -> str:
-        return self.text
-
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")
@@ -92,14 +71,6 @@ class _Tracked:
 
 def _meta(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def hyperparameters(group: dict, ignored: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """The Python values of a param group that a graph bakes in (device tensors are read live;
-    see `optim.baked_hyperparameters`), less `ignored`: keys the optimizer's step does not read
-    from its graph (a scheduler's bookkeeping, a value read only when state is created)."""
-    baked = baked_hyperparameters(group)
-    return {k: v for k, v in baked.items() if k not in ignored} if ignored else baked
 
 
 def named_state_tensors(state: TrainingState, fn: Callable) -> Iterator[tuple[str, torch.Tensor]]:
@@ -257,7 +228,7 @@ class StateGuard:
             for key, (value, by_value) in attrs.items():
                 if not by_value:  # a config dataclass kept as `self.config`, say
                     self.reads.watch_fields(f"{name}.{key}", value)
-        self.optimizers = _OptimizerWatch(graph_state.optimizers, state.optimizers, unbaked)
+        self.optimizers = OptimizerWatch(graph_state.optimizers, state.optimizers, unbaked)
         self.parameter_ids = [id(p) for p in state.parameters()]
         self.roots = [root for _, root in roots]
         self.module_ids = self._module_ids()
@@ -401,116 +372,6 @@ class StateGuard:
                     )
                 )
         return found
-
-
-_MISSING = object()
-_IMMUTABLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Tensor)
-
-
-class _Seen:
-    """The value objects of one param group, to tell by identity that none was assigned since."""
-
-    __slots__ = ("group", "keys", "n", "values")
-
-    def __init__(self, group: dict):
-        self.group = group
-        self.renew()
-
-    def renew(self) -> None:
-        group = self.group
-        self.n = len(group)
-        # A value that can change in place (a list) must be compared every time: no shortcut.
-        immutable = all(
-            isinstance(v, _IMMUTABLE) or (type(v) is tuple and all(isinstance(x, _IMMUTABLE) for x in v))
-            for k, v in group.items()
-            if k != "params"
-        )
-        self.keys = tuple(group) if immutable else None
-        self.values = tuple(group.values()) if immutable else None
-
-    def holds(self) -> bool:
-        group = self.group
-        return (
-            self.keys is not None
-            and len(group) == self.n
-            and all(map(operator.is_, map(group.get, self.keys, itertools.repeat(_MISSING)), self.values))
-        )
-
-
-class _OptimizerWatch:
-    """The param groups of the optimizers a graph runs: same lists, same parameters, and the same
-    Python hyperparameters (tensors in a group are read live by the graph)."""
-
-    def __init__(
-        self,
-        optimizers: list[torch.optim.Optimizer],
-        everyone: list[torch.optim.Optimizer],
-        unbaked: Callable[[torch.optim.Optimizer, str], bool],
-    ):
-        named = {
-            id(o): "optimizer" if len(everyone) == 1 else f"optimizer[{i}]" for i, o in enumerate(everyone)
-        }
-        self.labels = [named[id(opt)] for opt in optimizers]
-        self.optimizers = [
-            (
-                opt,
-                opt.state,
-                opt.param_groups,
-                [
-                    (g, g["params"], len(g["params"]), ignored, hyperparameters(g, ignored))
-                    for g in opt.param_groups
-                    for ignored in [frozenset(k for k in g if k != "params" and unbaked(opt, k))]
-                ],
-                len(opt.param_groups),
-            )
-            for opt in optimizers
-        ]
-        self.seen = [_Seen(g) for *_, groups, _ in self.optimizers for g, *_ in groups]
-        """Per group, the value objects last found equal: when every one is still there, nothing
-        was assigned and no value needs comparing (the common replay)."""
-
-    def holds(self) -> bool:
-        seen = iter(self.seen)
-        for opt, state, groups_list, groups, n_groups in self.optimizers:
-            if opt.state is not state or opt.param_groups is not groups_list or len(groups_list) != n_groups:
-                return False
-            for group, params, n_params, ignored, hyper in groups:
-                if group["params"] is not params or len(params) != n_params:
-                    return False
-                unchanged = next(seen)
-                if not unchanged.holds():
-                    if hyperparameters(group, ignored) != hyper:
-                        return False
-                    unchanged.renew()  # assigned, but equal (a scheduler's constant phase)
-        return True
-
-    def changes(self) -> list[Change]:
-        found = []
-        for label, (opt, state, groups_list, groups, n_groups) in zip(self.labels, self.optimizers):
-            if opt.state is not state:
-                found.append(Change(f"{label}.state: replaced (optimizer.load_state_dict?)"))
-            if opt.param_groups is not groups_list or len(opt.param_groups) != n_groups:
-                found.append(Change(f"{label}.param_groups: groups added or replaced"))
-                continue
-            for gi, (group, params, n_params, ignored, hyper) in enumerate(groups):
-                if group["params"] is not params or len(params) != n_params:
-                    found.append(Change(f"{label}.param_groups[{gi}]: parameters added or removed"))
-                now = hyperparameters(group, ignored)
-                for key in sorted(set(now) | set(hyper)):
-                    if now.get(key) != hyper.get(key):
-                        text = (
-                            f"{label}.param_groups[{gi}]['{key}']: {hyper.get(key)!r} -> {now.get(key)!r} "
-                            "(a Python number is baked into the graph)"
-                        )
-                        found.append(Change(text, variant=True, optimizer=opt, key=key))
-        return found
-
-    def without_state(self, p: torch.Tensor) -> bool:
-        """`p` trains now, and an optimizer of the graph will create its state on the next step."""
-        return p.requires_grad and any(
-            not opt.state.get(p) and any(q is p for g in opt.param_groups for q in g["params"])
-            for opt, *_ in self.optimizers
-        )
 
 
 def _named(prefix: str, root: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -16,7 +16,6 @@ Each call goes plan (what this rank would do) -> agreement (what all ranks do, s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -29,6 +28,7 @@ import torch
 from . import segments
 from . import signature as sig
 from .backends import CudaGraphBackend, PartsRecording, Recording
+from .buffers import InputBuffers
 from .diagnostics import capture_error, log, stale_message
 from .distributed import Agreement, Phase
 from .errors import GraphStepError, StaleGraphError
@@ -81,11 +81,7 @@ class Lifecycle:
         self.ctx = ctx
         self.signature = signature
         self.warmups = 0
-        self.buffers: list[torch.Tensor] | None = None
-        self.host_staged = False
-        """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
-        self.grad_buffers = False
-        """Some buffers require grad: loading them must not be recorded by autograd."""
+        self.inputs = InputBuffers(ctx.backend)
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
@@ -162,7 +158,9 @@ class Lifecycle:
         # Phase.CAPTURE, on some rank.
         if agreed.limited_by is not None:  # some rank is past max_recaptures: no rank captures
             if self.current is not None:
-                self._give_up(plan.changes or (f"rank {agreed.limited_by} is past max_recaptures",))
+                self.release()
+                _give_up(ctx, plan.changes or (f"rank {agreed.limited_by} is past max_recaptures",))
+                self.stale = True
             return ctx.run_eager(args, kwargs)
         if self.current is None:
             return self.capture(leaves, args, kwargs, replaced=[])
@@ -174,7 +172,7 @@ class Lifecycle:
                 _listed(plan.changes),
             )
             return self.capture(leaves, args, kwargs, replaced=self._evict_for_room())
-        if plan.kind in ("replay", "switch", "variant"):  # not counted
+        if plan.kind in ("replay", "switch"):  # not counted
             changes = plan.changes or (f"rank {agreed.held_back_by} captures, and ranks capture together",)
             log.info("graphstep: capturing %s again:\n%s", ctx.name, _listed(changes))
             return self.capture(leaves, args, kwargs, replaced=self._take_all())
@@ -211,8 +209,8 @@ class Lifecycle:
         ctx = self.ctx
         backend = ctx.backend
         if backend.static_buffers:
-            args, kwargs = sig.unflatten(self.signature.spec, self.input_buffers(leaves))
-            self.load(leaves)
+            args, kwargs = sig.unflatten(self.signature.spec, self.inputs.like(leaves))
+            self.inputs.load(leaves)
         try:
             variant = capture_variant(ctx, args, kwargs, self.segment_results)
         finally:
@@ -234,7 +232,7 @@ class Lifecycle:
         variant.last_used = next(_clock)
         with ranged("graphstep.replay"):
             if ctx.backend.static_buffers:
-                self.load(leaves)
+                self.inputs.load(leaves)
             every = ctx.config.verify_every
             if verify and every and (ctx.stats.replays + 1) % every == 0:
                 outputs = self._verified_replay(leaves, args, kwargs)
@@ -248,7 +246,8 @@ class Lifecycle:
     def _verified_replay(self, leaves: list, args: tuple, kwargs: dict) -> Any:
         ctx = self.ctx
         # The reference run reads the same static buffers the replay will.
-        inputs = sig.unflatten(self.signature.spec, self.buffers) if self.buffers else (args, kwargs)
+        buffers = self.inputs.tensors
+        inputs = sig.unflatten(self.signature.spec, buffers) if buffers else (args, kwargs)
         if ctx.config.verify_against == "capture":
             reference = functools.partial(self._fresh_capture_run, leaves, *inputs)
         else:
@@ -278,25 +277,7 @@ class Lifecycle:
             if fresh is not kept_current:
                 fresh.recording.release()
 
-    # -- buffers and outputs -------------------------------------------------------------------
-
-    def input_buffers(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.buffers is None:
-            self.buffers = [self.ctx.backend.new_buffer(t) for t in leaves]
-            for buffer, t in zip(self.buffers, leaves):
-                buffer.requires_grad_(t.requires_grad and t.is_leaf)
-            self.host_staged = any(b.is_pinned() for b in self.buffers)
-            self.grad_buffers = any(b.requires_grad for b in self.buffers)
-        return self.buffers
-
-    def load(self, leaves: list[torch.Tensor]) -> None:
-        """Copy the call's tensors into the graph's input buffers (none when they are the buffers)."""
-        if self.host_staged:  # the previous replay may still be reading a host buffer
-            torch.cuda.current_stream(self.ctx.backend.index).synchronize()
-        with torch.no_grad() if self.grad_buffers else contextlib.nullcontext():
-            for buffer, t in zip(self.buffers, leaves):
-                if t is not buffer:
-                    buffer.copy_(t)
+    # -- outputs --------------------------------------------------------------------------------
 
     def deliver(self, outputs: Any) -> Any:
         ctx = self.ctx
@@ -338,16 +319,6 @@ class Lifecycle:
             "graphstep: %s holds max_graphs graphs: dropping its least recently used variant", self.ctx.name
         )
         return [oldest]
-
-    def _give_up(self, changes: tuple[str, ...]) -> None:
-        """Past `max_recaptures` on some rank: raise, or run this signature eagerly from now on."""
-        ctx = self.ctx
-        self.release()
-        message = stale_message(ctx.name, ctx.config.max_recaptures, _listed(changes))
-        if ctx.config.on_recapture_limit == "raise":
-            raise StaleGraphError(message)
-        self.stale = True
-        warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=5)
 
 
 def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results: list) -> Variant:
@@ -411,6 +382,14 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     return Variant(
         recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes_epoch
     )
+
+
+def _give_up(ctx: StepContext, changes: tuple[str, ...]) -> None:
+    """Past `max_recaptures` on some rank: raise, or warn that the signature runs eagerly from now on."""
+    message = stale_message(ctx.name, ctx.config.max_recaptures, _listed(changes))
+    if ctx.config.on_recapture_limit == "raise":
+        raise StaleGraphError(message)
+    warnings.warn(message + " Running this signature eagerly from now on.", stacklevel=5)
 
 
 def _listed(changes: tuple[str, ...]) -> str:

@@ -78,6 +78,7 @@ Mixed precision: `GradScaler.step` calls `.item()` unless the optimizer unscales
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import traceback
@@ -110,14 +111,17 @@ def baked_hyperparameters(group: dict) -> dict[str, Any]:
 
     Tensors are read live and left out (comparing them would read them on the host); in a tuple
     holding some tensors (betas with a live beta1), the tensors are replaced by a marker so the
-    numbers beside them are still compared.
+    numbers beside them are still compared. Containers are copied (lists as tuples), so that one
+    changed in place later differs from what was recorded.
     """
     baked = {}
     for key, value in group.items():
         if key == "params" or isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        if isinstance(value, (tuple, list)):  # a copy: a list changed in place must differ from it
             value = tuple(_LIVE_MARK if isinstance(v, torch.Tensor) else v for v in value)
+        elif isinstance(value, (dict, set)):
+            value = copy.deepcopy(value)
         baked[key] = value
     return baked
 
