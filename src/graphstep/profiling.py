@@ -21,11 +21,12 @@ measured on the CI machine), so it is entered only while a profiler is active
 (`torch._C._autograd._profiler_enabled()`, 0.04 µs). With neither a profiler nor CUDA a range
 costs about 0.4 µs; with CUDA, the NVTX push and pop add about as much again (NVTX calls are
 no-ops while no Nsight tool is attached, and there is no reliable way to tell from Python that
-one is).
+one is). `GRAPHSTEP_NVTX=0` leaves NVTX out.
 """
 
 from __future__ import annotations
 
+import os
 from types import TracebackType
 
 import torch
@@ -51,7 +52,8 @@ _nvtx_available: bool | None = None  # decided on the first range: asking CUDA a
 def _use_nvtx() -> bool:
     global _nvtx_available
     if _nvtx_available is None:
-        _nvtx_available = torch.cuda.is_available()
+        wanted = os.environ.get("GRAPHSTEP_NVTX", "1") != "0"
+        _nvtx_available = wanted and torch.cuda.is_available()
     return _nvtx_available
 
 
