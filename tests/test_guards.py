@@ -276,3 +276,27 @@ def test_verify_every_catches_a_change_no_guard_sees():
     opt.param_groups[0]["lr"] = 0.5
     with pytest.raises(graphstep.errors.VerificationError, match="differs from the reference run at"):
         step(*data[3])
+
+
+def _first_param_state(opt):
+    return opt.state[opt.param_groups[0]["params"][0]]
+
+
+STATE_CHANGES = {
+    # A parameter's momentum reset, as ReLoRA-style restarts do: eager starts it afresh.
+    "reset": lambda m, o: o.state.__setitem__(o.param_groups[0]["params"][0], {}),
+    "pop": lambda m, o: o.state.pop(o.param_groups[0]["params"][0]),
+    # The same numbers in a new tensor: eager updates the new one, a stale graph the old one.
+    "swapped": lambda m, o: _first_param_state(o).__setitem__(
+        "momentum_buffer", _first_param_state(o)["momentum_buffer"].clone()
+    ),
+}
+
+
+@pytest.mark.parametrize("change", sorted(STATE_CHANGES))
+def test_optimizer_state_reset_or_replaced_between_calls_equals_eager(change, caplog):
+    twins = Twins()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        run(twins, batches(9), STATE_CHANGES[change], at=5)
+    assert twins.step.stats.captures == 2
+    assert "optimizer.state: a parameter's state was reset, added or replaced" in caplog.text

@@ -396,6 +396,25 @@ def test_the_cpp_helper_sees_what_the_python_path_sees():
     model[0].bias.data = model[0].bias.data.clone()
     assert not check.holds()
 
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    states = helper.StateCheck([opt.state])
+    assert states.holds()
+    buffer = opt.state[params[0]]["momentum_buffer"]
+    opt.state[params[0]]["momentum_buffer"] = buffer.clone()
+    assert not states.holds()
+    opt.state[params[0]]["momentum_buffer"] = buffer
+    assert states.holds()
+    opt.state[params[0]]["extra"] = 1
+    assert not states.holds()
+    del opt.state[params[0]]["extra"]
+    assert states.holds()
+    kept = opt.state.pop(params[0])
+    assert not states.holds()
+    opt.state[params[0]] = kept  # back, but now last: another order
+    assert not states.holds()
+
 
 def test_probing_a_guard_that_fails_has_no_side_effect():
     """The lifecycle may probe the guard of every graph variant; only the one that holds may

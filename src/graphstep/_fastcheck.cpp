@@ -59,6 +59,77 @@ class TensorCheck {
   std::vector<PyObject*> frozen_;
 };
 
+// An optimizer's per-parameter state as a graph captured it (see optim_guard.py): the same state
+// dict per parameter, in the same order, holding the same value objects. Compared by identity,
+// walking the dicts with PyDict_Next: no tensor is hashed, nothing is allocated.
+class StateCheck {
+ public:
+  explicit StateCheck(const py::list& states) : keep_(states) {
+    for (const auto& h : states) {
+      PyObject* state = h.ptr();
+      states_.push_back(state);
+      sizes_.push_back(PyDict_Size(state));
+      Py_ssize_t pos = 0;
+      PyObject *key, *inner;
+      while (PyDict_Next(state, &pos, &key, &inner)) {
+        entries_.push_back(key);
+        entries_.push_back(inner);
+        if (!PyDict_Check(inner)) {
+          throw py::type_error("optimizer state entries must be dicts");
+        }
+        inner_sizes_.push_back(PyDict_Size(inner));
+        Py_ssize_t ipos = 0;
+        PyObject *ikey, *value;
+        while (PyDict_Next(inner, &ipos, &ikey, &value)) {
+          values_.push_back(value);
+        }
+      }
+    }
+    // Strong references to everything compared: an address compared is never a freed object's.
+    py::list kept;
+    for (PyObject* o : entries_) kept.append(py::reinterpret_borrow<py::object>(o));
+    for (PyObject* o : values_) kept.append(py::reinterpret_borrow<py::object>(o));
+    kept_ = kept;
+  }
+
+  bool holds() const {
+    size_t entry = 0, inner_index = 0, value = 0;
+    for (size_t s = 0; s < states_.size(); ++s) {
+      PyObject* state = states_[s];
+      if (PyDict_Size(state) != sizes_[s]) {
+        return false;
+      }
+      Py_ssize_t pos = 0;
+      PyObject *key, *inner;
+      while (PyDict_Next(state, &pos, &key, &inner)) {
+        if (key != entries_[entry] || inner != entries_[entry + 1] ||
+            PyDict_Size(inner) != inner_sizes_[inner_index]) {
+          return false;
+        }
+        entry += 2;
+        ++inner_index;
+        Py_ssize_t ipos = 0;
+        PyObject *ikey, *item;
+        while (PyDict_Next(inner, &ipos, &ikey, &item)) {
+          if (item != values_[value++]) {
+            return false;
+          }
+        }
+      }
+    }
+    return true;
+  }
+
+ private:
+  py::list keep_;
+  py::list kept_;
+  std::vector<PyObject*> states_;
+  std::vector<Py_ssize_t> sizes_;
+  std::vector<PyObject*> entries_;  // key, inner dict, key, inner dict, ...
+  std::vector<Py_ssize_t> inner_sizes_;
+  std::vector<PyObject*> values_;
+};
+
 }  // namespace
 
 #ifndef GRAPHSTEP_TORCH_VERSION
@@ -71,4 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TensorCheck>(m, "TensorCheck")
       .def(py::init<const py::list&, const py::list&, const py::list&>())
       .def("holds", &TensorCheck::holds);
+  py::class_<StateCheck>(m, "StateCheck")
+      .def(py::init<const py::list&>())
+      .def("holds", &StateCheck::holds);
 }

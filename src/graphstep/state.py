@@ -103,7 +103,8 @@ class Snapshot:
     """Python references a step can change even when none of its kernels ran."""
 
     grads: list[tuple[torch.Tensor, torch.Tensor | None]]
-    optimizer_state: list[tuple[torch.optim.Optimizer, dict, list[dict]]]
+    optimizer_state: list[tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, dict, dict]], list[dict]]]
+    """Per optimizer: (parameter, its state dict, that dict's contents) in order, and the groups."""
     training: list[tuple[nn.Module, bool]]
     cpu_rng: torch.Tensor
     cuda_rng: list[tuple[int, torch.Tensor]]
@@ -113,7 +114,7 @@ class Snapshot:
         return cls(
             grads=[(p, p.grad) for p in state.parameters()],
             optimizer_state=[
-                (opt, {p: dict(s) for p, s in opt.state.items()}, [dict(g) for g in opt.param_groups])
+                (opt, [(p, s, dict(s)) for p, s in opt.state.items()], [dict(g) for g in opt.param_groups])
                 for opt in state.optimizers
             ],
             training=[(m, m.training) for root in state.modules for m in root.modules()],
@@ -125,8 +126,13 @@ class Snapshot:
         for p, grad in self.grads:
             p.grad = grad
         for opt, saved_state, saved_groups in self.optimizer_state:
+            # The same dict objects, in the same order, holding the same values: a graph's guard
+            # compares them by identity (optim_guard.py).
             opt.state.clear()
-            opt.state.update({p: dict(s) for p, s in saved_state.items()})
+            for p, entry, contents in saved_state:
+                entry.clear()
+                entry.update(contents)
+                opt.state[p] = entry
             for group, saved in zip(opt.param_groups, saved_groups):
                 group.clear()
                 group.update(saved)
