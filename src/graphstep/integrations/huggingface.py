@@ -20,6 +20,11 @@ micro-batches in this update (smaller at the end of an epoch) and whether gradie
 (the last micro-batch under DDP), so each combination gets its own graph. The inputs are moved to the
 device before the captured call, so a replay copies device tensors, never pageable host memory.
 
+transformers computes differently while a stream captures (`is_tracing()`: a model given no
+`attention_mask` builds one explicitly, and host checks are skipped): the replays compute as that path
+does, the eager warm-ups as the usual one. With an `attention_mask` in the inputs both paths agree and
+the run is bitwise equal to a plain `Trainer` (tested on an H100, with gradient accumulation).
+
 **`capture_accelerated(accelerator, fn, ...)`** captures the step of a plain `accelerate` loop: it passes
 the optimizers inside accelerate's `AcceleratedOptimizer` wrappers to `graphstep.capture`, where
 graphstep can prepare them (capturable, lr as a device tensor). Write the step as usual, with
