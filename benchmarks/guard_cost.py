@@ -51,8 +51,9 @@ def build(check: str, device: str):
 ROUNDS = 5
 
 
-def median_us(fn, n: int) -> float:
-    """The lowest of ROUNDS medians of n / ROUNDS timed calls each: robust to a busy host."""
+def median_us(fn, n: int, between=None) -> float:
+    """The lowest of ROUNDS medians of n / ROUNDS timed calls each: robust to a busy host.
+    `between`: called after each timed call, untimed (a device synchronisation, say)."""
     medians = []
     for _ in range(ROUNDS):
         times = []
@@ -60,8 +61,39 @@ def median_us(fn, n: int) -> float:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
+            if between is not None:
+                between()
         medians.append(statistics.median(times))
     return min(medians) * 1e6
+
+
+def header(device: str) -> dict:
+    """What every results file starts with: the machine, the versions, the date."""
+    return {
+        "device": device,
+        "hardware": machine(device)[0],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def machine(device: str) -> tuple[str, str]:
+    """(what ran it, the results file's prefix): the GPU's name, or the CPU's."""
+    if device == "cuda":
+        from graphstep.demo.bench import gpu_slug
+
+        return torch.cuda.get_device_name(), gpu_slug(torch.cuda.get_device_name())
+    return platform.processor() or platform.machine(), "cpu"
+
+
+def write(result: dict, out: str, name: str) -> None:
+    """`<out>/<slug>_<date>_<name>.json`."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{machine(result['device'])[1]}_{result['date']}_{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def sync(device: str) -> None:
@@ -125,19 +157,9 @@ def main() -> None:
             print(f"    {'holds() after equal write':26s} {row['guard_after_equal_write_us']:8.2f} us")
         if "replay_call_us" in row:
             print(f"    whole call, synchronised {row['replay_call_us']:8.1f} us")
-    if args.device == "cuda":
-        from graphstep.demo.bench import gpu_slug
-
-        hardware, slug = torch.cuda.get_device_name(), gpu_slug(torch.cuda.get_device_name())
-    else:
-        hardware, slug = platform.processor() or platform.machine(), "cpu"
     optimizer = "AdamW(capturable, foreach)" if args.device == "cuda" else "SGD(momentum=0.9, foreach)"
     result = {
-        "device": args.device,
-        "hardware": hardware,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(),
+        **header(args.device),
         "config": f"{N_LAYERS} x Linear(16,16) ({N_LAYERS * 2} parameter tensors), {optimizer}; guard_us: "
         f"lowest of {ROUNDS} medians of StateGuard.holds() over {args.n // ROUNDS} calls each; parts_us: each "
         "part of holds() alone, timed the same way; replay_call_us (GPU): the same for a whole call (copy input, guard, replay, clone loss) followed "
@@ -145,12 +167,7 @@ def main() -> None:
         "cpp_helper": bool(rows[0].get("parts_us", {}).get("pointers_and_requires_grad_cpp")),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"_{args.tag}" if args.tag else ""
-    path = out / f"{slug}_{result['date']}_guards{tag}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write(result, args.out, "guards" + (f"_{args.tag}" if args.tag else ""))
 
 
 if __name__ == "__main__":

@@ -29,12 +29,8 @@ an older checkout's src gives the before column.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,21 +40,6 @@ from graphstep.signature import Signature
 
 sys.path.insert(0, str(Path(__file__).parent))
 import guard_cost
-
-ROUNDS = 5
-
-
-def timed_us(fn, n: int, sync) -> float:
-    medians = []
-    for _ in range(ROUNDS):
-        times = []
-        for _ in range(max(1, n // ROUNDS)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-            sync()
-        medians.append(statistics.median(times))
-    return min(medians) * 1e6
 
 
 def tiny_gpt(device: str):
@@ -118,7 +99,7 @@ def stages(step, args: tuple, n: int, sync) -> dict:
         "bare_launch": bare_launch,
         "hand_written_call": hand_written,
     }
-    row = {name: round(timed_us(fn, n, sync), 2) for name, fn in parts.items()}
+    row = {name: round(guard_cost.median_us(fn, n, between=sync), 2) for name, fn in parts.items()}
     row["graphstep_us"] = round(row["whole_call"] - row["hand_written_call"], 2)
     row["parameter_tensors"] = sum(1 for m in step._state.modules for _ in m.parameters())
     guard = life.current.guard
@@ -142,31 +123,16 @@ def main() -> None:
         step, inputs = build(args.device)
         rows[name] = stages(step, inputs, args.n, sync)
         print(name, json.dumps(rows[name]))
-    if args.device == "cuda":
-        from graphstep.demo.bench import gpu_slug
-
-        hardware, slug = torch.cuda.get_device_name(), gpu_slug(torch.cuda.get_device_name())
-    else:
-        hardware, slug = platform.processor() or platform.machine(), "cpu"
     result = {
-        "device": args.device,
-        "hardware": hardware,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(),
+        **guard_cost.header(args.device),
         "graphstep_from": graphstep.__file__,
         "config": "tiny GPT (batch 8x64, AdamW capturable on CUDA, SGD momentum on CPU, bf16 autocast on "
         "CUDA); 500 x Linear(16,16) with check='full' (guard_cost.py). Stages timed alone after capture: "
-        f"lowest of {ROUNDS} medians over {args.n // ROUNDS} calls each, device synchronised between calls "
+        f"lowest of {guard_cost.ROUNDS} medians over {args.n // guard_cost.ROUNDS} calls each, device synchronised between calls "
         "outside the timing. graphstep_us = whole_call - hand_written_call (copy inputs, launch, clone loss).",
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"_{args.tag}" if args.tag else ""
-    path = out / f"{slug}_{result['date']}_host-cost{tag}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    guard_cost.write(result, args.out, "host-cost" + (f"_{args.tag}" if args.tag else ""))
 
 
 if __name__ == "__main__":
