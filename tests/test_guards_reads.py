@@ -464,3 +464,16 @@ def test_optimizer_values_are_compared_after_an_assignment_and_lists_always():
     assert watch.holds() and not watch.seen[0].holds()
     listed.param_groups[0]["schedule"].append(3)
     assert not watch.holds()
+
+
+def test_a_helper_built_for_another_torch_is_refused(caplog):
+    import types
+
+    from graphstep import fastcheck
+
+    stale = types.SimpleNamespace(torch_version="1.0.0", TensorCheck=None)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        assert fastcheck._if_same_torch(stale) is None
+    assert "built for torch 1.0.0" in caplog.text
+    current = types.SimpleNamespace(torch_version=torch.__version__)
+    assert fastcheck._if_same_torch(current) is current
