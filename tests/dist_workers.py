@@ -359,19 +359,11 @@ def one_rank_exits(rank: int, size: int, *, leaving: int, after: int) -> dict:
     """Rank `leaving` ends its process after `after` calls; the others must not wait for it."""
     import os
 
-    device = _device(rank)
-    model = _mlp(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = graphstep.capture(
-        _plain_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
-    )
-    data = _mlp_data(after + 3, device)
-
     def before_call(i: int) -> None:
         if rank == leaving and i == after:
             os._exit(3)  # gone, as a process killed for memory would be
 
-    return _finish(_calls_until_error(step, data, before_call), step)
+    return _mlp_calls(rank, after + 3, before_call)
 
 
 def one_rank_is_late(rank: int, size: int, *, late: int, after: int, sleep: float) -> dict:
@@ -379,19 +371,22 @@ def one_rank_is_late(rank: int, size: int, *, late: int, after: int, sleep: floa
     others stop waiting; then the late one finds them gone."""
     import time
 
+    def before_call(i: int) -> None:
+        if rank == late and i == after:
+            time.sleep(sleep)
+
+    return _mlp_calls(rank, after + 3, before_call)
+
+
+def _mlp_calls(rank: int, calls: int, before_call) -> dict:
+    """The plain MLP step on the recording backend, `calls` times, `before_call(i)` before each."""
     device = _device(rank)
     model = _mlp(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = graphstep.capture(
         _plain_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
     )
-    data = _mlp_data(after + 3, device)
-
-    def before_call(i: int) -> None:
-        if rank == late and i == after:
-            time.sleep(sleep)
-
-    return _finish(_calls_until_error(step, data, before_call), step)
+    return _finish(_calls_until_error(step, _mlp_data(calls, device), before_call), step)
 
 
 def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
