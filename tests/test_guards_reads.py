@@ -416,6 +416,49 @@ def test_the_cpp_helper_sees_what_the_python_path_sees():
     assert not states.holds()
 
 
+def test_the_cpp_state_check_sees_every_kind_of_dict_change():
+    """From Python 3.12 the helper watches the state dicts and walks them only after a change:
+    every way to change a dict must count as one, and a change undone must hold again."""
+    import sys
+
+    from graphstep import fastcheck
+
+    helper = fastcheck.helper()
+    if helper is None:
+        pytest.skip("the C++ guard helper is not built here")
+    assert helper.watches_dicts == (sys.version_info >= (3, 12))
+    model = torch.nn.Linear(4, 4)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    inner = opt.state[params[0]]
+    kept = dict(inner)
+    check = helper.StateCheck([opt.state])
+    changes = {
+        "clear": inner.clear,
+        "update with a new tensor": lambda: inner.update(exp_avg=kept["exp_avg"].clone()),
+        "popitem": inner.popitem,
+        "setdefault of a new key": lambda: inner.setdefault("extra", 0),
+        "outer setdefault of a new key": lambda: opt.state.setdefault("extra", {}),
+        "outer defaultdict read of a missing key": lambda: opt.state["missing"],
+        "outer dict replaced for a parameter": lambda: opt.state.__setitem__(params[1], dict(opt.state[params[1]])),
+    }
+    for name, change in changes.items():
+        assert check.holds() and check.holds(), name  # the second from the fast path, where watched
+        outer_entries = list(opt.state.items())
+        change()
+        assert not check.holds(), name
+        # Undo: the same objects in the same order again.
+        inner.clear()
+        inner.update(kept)
+        opt.state.clear()
+        opt.state.update(outer_entries)
+        opt.state.pop("extra", None)
+        opt.state.pop("missing", None)
+        assert check.holds(), f"{name}, undone"
+
+
 def test_probing_a_guard_that_fails_has_no_side_effect():
     """The lifecycle may probe the guard of every graph variant; only the one that holds may
     re-attach its grad buffers to parameters whose grads the user set to None."""

@@ -59,9 +59,45 @@ class TensorCheck {
   std::vector<PyObject*> frozen_;
 };
 
+// A write barrier for dicts, from Python 3.12 on (PEP 699's dict watchers): every change to a
+// watched dict (set, delete, clear, update, pop, ...) counts one event. A check that watches the
+// dicts it compares needs no walk while no event happened since it last held. Dicts stay watched
+// for their lifetime (unwatching one might blind another check that watches it too).
+#if PY_VERSION_HEX >= 0x030C0000
+constexpr bool kWatchesDicts = true;
+int dict_watcher = -2;  // -2: not asked for yet; -1: none to be had (all watcher ids taken)
+unsigned long long dict_events = 0;
+
+int count_dict_event(PyDict_WatchEvent, PyObject*, PyObject*, PyObject*) {
+  ++dict_events;
+  return 0;
+}
+
+bool watch(PyObject* dict) {
+  if (dict_watcher == -2) {
+    dict_watcher = PyDict_AddWatcher(count_dict_event);
+    if (dict_watcher < 0) {
+      PyErr_Clear();
+      dict_watcher = -1;
+    }
+  }
+  if (dict_watcher < 0 || PyDict_Watch(dict_watcher, dict) < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+#else
+constexpr bool kWatchesDicts = false;
+unsigned long long dict_events = 0;
+
+bool watch(PyObject*) { return false; }
+#endif
+
 // An optimizer's per-parameter state as a graph captured it (see optim_guard.py): the same state
 // dict per parameter, in the same order, holding the same value objects. Compared by identity,
-// walking the dicts with PyDict_Next: no tensor is hashed, nothing is allocated.
+// walking the dicts with PyDict_Next: no tensor is hashed, nothing is allocated. Where dicts can
+// be watched, the walk runs only after some watched dict changed.
 class StateCheck {
  public:
   explicit StateCheck(const py::list& states) : keep_(states) {
@@ -90,9 +126,26 @@ class StateCheck {
     for (PyObject* o : entries_) kept.append(py::reinterpret_borrow<py::object>(o));
     for (PyObject* o : values_) kept.append(py::reinterpret_borrow<py::object>(o));
     kept_ = kept;
+    watched_ = true;
+    for (PyObject* state : states_) watched_ = watch(state) && watched_;
+    for (size_t i = 1; i < entries_.size(); i += 2) watched_ = watch(entries_[i]) && watched_;
+    seen_events_ = dict_events;
   }
 
   bool holds() const {
+    if (watched_ && seen_events_ == dict_events) {
+      return true;  // no watched dict changed since the last walk that held
+    }
+    const unsigned long long events = dict_events;
+    if (!walk()) {
+      return false;
+    }
+    seen_events_ = events;
+    return true;
+  }
+
+ private:
+  bool walk() const {
     size_t entry = 0, inner_index = 0, value = 0;
     for (size_t s = 0; s < states_.size(); ++s) {
       PyObject* state = states_[s];
@@ -120,9 +173,10 @@ class StateCheck {
     return true;
   }
 
- private:
   py::list keep_;
   py::list kept_;
+  bool watched_ = false;
+  mutable unsigned long long seen_events_ = 0;
   std::vector<PyObject*> states_;
   std::vector<Py_ssize_t> sizes_;
   std::vector<PyObject*> entries_;  // key, inner dict, key, inner dict, ...
@@ -139,6 +193,7 @@ class StateCheck {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The torch it was compiled against: fastcheck.py refuses it under any other (its ABI may differ).
   m.attr("torch_version") = GRAPHSTEP_TORCH_VERSION;
+  m.attr("watches_dicts") = kWatchesDicts;
   py::class_<TensorCheck>(m, "TensorCheck")
       .def(py::init<const py::list&, const py::list&, const py::list&>())
       .def("holds", &TensorCheck::holds);

@@ -3,7 +3,9 @@
 `StateGuard.holds()` reads every tracked tensor's data pointer and every parameter's
 `requires_grad` before each replay. From Python each read costs 50-70 ns, so a model with 1,000
 parameter tensors pays over 100 us per replay; `_fastcheck.cpp` does the same reads in one C++
-loop (about 9 us for 1,000 tensors on the CPU that measured the former).
+loop (about 9 us for 1,000 tensors on the CPU that measured the former). It also checks optimizer
+state dicts by identity (`StateCheck`, see optim_guard.py); from Python 3.12 it watches those dicts
+(PEP 699) and walks them only after one of them changed.
 
 The helper is used when it can be imported:
 
