@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -20,21 +21,33 @@ class TensorCheck {
  public:
   TensorCheck(const py::list& tensors, const py::list& requiring, const py::list& frozen)
       : keep_(py::make_tuple(tensors, requiring, frozen)) {
+    // Most tensors checked are parameters: their requires_grad is read in the same pass, from
+    // the tensor already at hand; the others get passes of their own.
+    std::unordered_map<PyObject*, Grad> wanted;
+    for (const auto& h : requiring) wanted.emplace(h.ptr(), Grad::kRequired);
+    for (const auto& h : frozen) wanted.emplace(h.ptr(), Grad::kFrozen);
     for (const auto& h : tensors) {
       tensors_.push_back(h.ptr());
       ptrs_.push_back(THPVariable_Unpack(h.ptr()).data_ptr());
+      auto found = wanted.find(h.ptr());
+      grads_.push_back(found == wanted.end() ? Grad::kAny : found->second);
+      if (found != wanted.end()) wanted.erase(found);
     }
     for (const auto& h : requiring) {
-      requiring_.push_back(h.ptr());
+      if (wanted.count(h.ptr())) requiring_.push_back(h.ptr());
     }
     for (const auto& h : frozen) {
-      frozen_.push_back(h.ptr());
+      if (wanted.count(h.ptr())) frozen_.push_back(h.ptr());
     }
   }
 
   bool holds() const {
     for (size_t i = 0; i < tensors_.size(); ++i) {
-      if (THPVariable_Unpack(tensors_[i]).data_ptr() != ptrs_[i]) {
+      const at::Tensor& t = THPVariable_Unpack(tensors_[i]);
+      if (t.data_ptr() != ptrs_[i]) {
+        return false;
+      }
+      if (grads_[i] != Grad::kAny && t.requires_grad() != (grads_[i] == Grad::kRequired)) {
         return false;
       }
     }
@@ -52,10 +65,12 @@ class TensorCheck {
   }
 
  private:
+  enum class Grad : char { kAny, kRequired, kFrozen };
   py::tuple keep_;  // strong references: the borrowed pointers below stay valid
   std::vector<PyObject*> tensors_;
   std::vector<const void*> ptrs_;
-  std::vector<PyObject*> requiring_;
+  std::vector<Grad> grads_;  // per tensor: what its requires_grad must be
+  std::vector<PyObject*> requiring_;  // parameters not among tensors_
   std::vector<PyObject*> frozen_;
 };
 
