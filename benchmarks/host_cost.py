@@ -118,15 +118,19 @@ def stages(step, args: tuple, n: int, sync, calls_only: bool = False) -> dict:
         bare_launch()
         return outputs.clone()
 
-    parts = {} if calls_only else {
-        "signature": lambda: Signature.of(args, {}),
-        "live_hyperparameters": ctx.optim.before_call,
-        "plan_and_guards": life.plan,
-        "input_copies": lambda: life.inputs.load(leaves),
-        "replay": lambda: recording.replay(args, {}),
-        "outputs": lambda: life.deliver(recording.outputs),
-        "bare_launch": bare_launch,
-    }
+    parts = (
+        {}
+        if calls_only
+        else {
+            "signature": lambda: Signature.of(args, {}),
+            "live_hyperparameters": ctx.optim.before_call,
+            "plan_and_guards": life.plan,
+            "input_copies": lambda: life.inputs.load(leaves),
+            "replay": lambda: recording.replay(args, {}),
+            "outputs": lambda: life.deliver(recording.outputs),
+            "bare_launch": bare_launch,
+        }
+    )
     parts.update(whole_call=lambda: step(*args), hand_written_call=hand_written)
     row = {name: round(guard_cost.median_us(fn, n, between=sync), 2) for name, fn in parts.items()}
     row["graphstep_us"] = round(row["whole_call"] - row["hand_written_call"], 2)

@@ -1,16 +1,12 @@
-"""Where the GPU time of one step goes, per method: the kernels of a `graphstep bench` config, grouped.
+"""Where the GPU time of one step goes, per method: the kernels of a `graphstep bench` config.
 
-Made to explain why graphstep with a compiled model needs more kernel time than reduce-overhead on some
-models (issue 13): both compile the same model the same way, so the difference must be in what runs
-around it. Each method's step is warmed up, then 5 steps are profiled; every GPU event's self time is
-summed by kernel name and by group:
+Made to explain why graphstep needs more kernel time than eager, or graphstep with a compiled model more
+than reduce-overhead, on some models (issue 13). Each method's step is warmed up, then 5 steps are
+profiled; every GPU event's self time is summed by kernel name, with its launches per step. The
+kernels of one method that another lacks are the difference.
 
-- `optimizer`: the optimizer's kernels (`multi_tensor_apply` / foreach / fused Adam kernels);
-- `clip`: the gradient-norm kernels of `clip_grad_norm_` (norms, the clip coefficient);
-- `other`: the rest (the model's forward and backward, copies, memsets).
-
-`python benchmarks/kernel_split.py [--config vit_s16] [--methods reduce_overhead,graphstep_compiled]`
-writes benchmarks/results/<gpu>_<date>_kernel-split.json. Both methods run in this one process, one
+`python benchmarks/kernel_split.py [--config vit_s16] [--methods eager,graphstep]` writes
+benchmarks/results/<gpu>_<date>_kernel-split_<config>.json. The methods run in this one process, one
 after the other (memory is not measured here).
 """
 
@@ -30,18 +26,9 @@ from graphstep.demo.bench_suites import suites
 from graphstep.demo.bench_workloads import BuildContext
 
 sys.path.insert(0, str(Path(__file__).parent))
-import guard_cost  # noqa: E402  (shared header and writer)
+import guard_cost
 
 WARMUP, PROFILED = 8, 5
-
-
-def group(name: str) -> str:
-    low = name.lower()
-    if "multi_tensor" in low or "foreach" in low or "adam" in low:
-        return "optimizer"
-    if "norm" in low and ("vector" in low or "reduce" in low) or "clip" in low:
-        return "clip"
-    return "other"
 
 
 def split(config: str, method: str, device: str = "cuda") -> dict:
@@ -60,37 +47,40 @@ def split(config: str, method: str, device: str = "cuda") -> dict:
             workload.after_call()
         sync()
     by_name: dict[str, float] = collections.Counter()
+    launches: dict[str, int] = collections.Counter()
     for e in prof.events():
         if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
             by_name[e.name] += e.self_device_time_total / 1e3 / PROFILED
-    groups: dict[str, float] = collections.Counter()
-    for name, ms in by_name.items():
-        groups[group(name)] += ms
+            launches[e.name] += 1
     if release is not None:
         release()
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {
         "kernel_ms": round(sum(by_name.values()), 3),
-        "groups_ms": {k: round(v, 3) for k, v in sorted(groups.items())},
-        "top_kernels_ms": [(name[:120], round(ms, 3)) for name, ms in top],
+        "top_kernels": [
+            {"name": name[:400], "ms_per_step": round(ms, 3), "launches_per_step": launches[name] / PROFILED}
+            for name, ms in top
+        ],
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="vit_s16")
-    parser.add_argument("--methods", default="reduce_overhead,graphstep_compiled")
+    parser.add_argument("--methods", default="eager,graphstep")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (no GPU kernels)")
     args = parser.parse_args()
     rows = {}
     for method in args.methods.split(","):
         rows[method] = split(args.config, method, args.device)
-        print(method, rows[method]["kernel_ms"], rows[method]["groups_ms"])
+        print(method, rows[method]["kernel_ms"])
     result = {
         **guard_cost.header(args.device),
         "config": f"{args.config}: {WARMUP} warm-up calls, then {PROFILED} profiled steps; GPU self time per step, "
-        "by kernel name and group (see benchmarks/kernel_split.py)",
+        "by kernel name, with launches per step (see benchmarks/kernel_split.py)",
         "rows": rows,
     }
     guard_cost.write(result, args.out, f"kernel-split_{args.config}")
