@@ -442,7 +442,9 @@ def test_the_cpp_state_check_sees_every_kind_of_dict_change():
         "setdefault of a new key": lambda: inner.setdefault("extra", 0),
         "outer setdefault of a new key": lambda: opt.state.setdefault("extra", {}),
         "outer defaultdict read of a missing key": lambda: opt.state["missing"],
-        "outer dict replaced for a parameter": lambda: opt.state.__setitem__(params[1], dict(opt.state[params[1]])),
+        "outer dict replaced for a parameter": lambda: opt.state.__setitem__(
+            params[1], dict(opt.state[params[1]])
+        ),
     }
     for name, change in changes.items():
         assert check.holds() and check.holds(), name  # the second from the fast path, where watched
