@@ -435,6 +435,9 @@ def test_the_cpp_state_check_sees_every_kind_of_dict_change():
     inner = opt.state[params[0]]
     kept = dict(inner)
     check = helper.StateCheck([opt.state])
+    assert check.holds() and check.holds()
+    # Watched, nothing changed since the check was made: no walk. Else every holds() walks.
+    assert check.walks == (0 if helper.watches_dicts else 2)
     changes = {
         "clear": inner.clear,
         "update with a new tensor": lambda: inner.update(exp_avg=kept["exp_avg"].clone()),
@@ -449,8 +452,10 @@ def test_the_cpp_state_check_sees_every_kind_of_dict_change():
     for name, change in changes.items():
         assert check.holds() and check.holds(), name  # the second from the fast path, where watched
         outer_entries = list(opt.state.items())
+        walks = check.walks
         change()
         assert not check.holds(), name
+        assert check.walks == walks + 1, name  # a change always makes the next holds() walk
         # Undo: the same objects in the same order again.
         inner.clear()
         inner.update(kept)

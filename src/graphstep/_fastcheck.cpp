@@ -152,12 +152,15 @@ class StateCheck {
       return true;  // no watched dict changed since the last walk that held
     }
     const unsigned long long events = dict_events;
+    ++walks_;
     if (!walk()) {
       return false;
     }
     seen_events_ = events;
     return true;
   }
+
+  unsigned long long walks() const { return walks_; }
 
  private:
   bool walk() const {
@@ -192,6 +195,7 @@ class StateCheck {
   py::list kept_;
   bool watched_ = false;
   mutable unsigned long long seen_events_ = 0;
+  mutable unsigned long long walks_ = 0;  // walks by holds(), for tests: none while nothing changed
   std::vector<PyObject*> states_;
   std::vector<Py_ssize_t> sizes_;
   std::vector<PyObject*> entries_;  // key, inner dict, key, inner dict, ...
@@ -214,5 +218,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("holds", &TensorCheck::holds);
   py::class_<StateCheck>(m, "StateCheck")
       .def(py::init<const py::list&>())
-      .def("holds", &StateCheck::holds);
+      .def("holds", &StateCheck::holds)
+      .def_property_readonly("walks", &StateCheck::walks);
 }
