@@ -38,7 +38,7 @@ setup: $(BIN)/python
 	@# (setup.py; skipped, with a message, where it cannot be built).
 	$(BIN)/pip install -q "setuptools>=64" wheel
 	$(BIN)/pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
-	@$(BIN)/python -c "from graphstep import fastcheck; print('make: guards read tensors ' + ('in C++' if fastcheck.helper() else 'from Python (no C++ helper)'))"
+	@$(BIN)/python -c "from graphstep.guards import fastcheck; print('make: guards read tensors ' + ('in C++' if fastcheck.helper() else 'from Python (no C++ helper)'))"
 
 test: setup
 	$(BIN)/python -m ruff check src tests examples
@@ -57,4 +57,4 @@ lint: setup
 	$(BIN)/python -m ruff format --check src tests examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info src/graphstep/*.so
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/graphstep/*.so src/graphstep/guards/*.so

@@ -1,9 +1,9 @@
-"""Builds graphstep's optional C++ guard helper (src/graphstep/_fastcheck.cpp) at install time.
+"""Builds graphstep's optional C++ guard helper (src/graphstep/guards/_fastcheck.cpp) at install time.
 
 It is built only when torch is importable while building, which pip allows with
 `pip install --no-build-isolation` (the Makefile does so), and a C++ compiler works. Without either,
 graphstep installs without it and its guards read tensors from Python (same checks, slower with many
-parameters; see src/graphstep/fastcheck.py). GRAPHSTEP_NO_EXTENSION=1 skips the build.
+parameters; see src/graphstep/guards/fastcheck.py). GRAPHSTEP_NO_EXTENSION=1 skips the build.
 """
 
 import os
@@ -31,8 +31,8 @@ def extension_build() -> dict:
 
     version = torch.__version__
     extension = CppExtension(
-        "graphstep._fastcheck_ext",
-        ["src/graphstep/_fastcheck.cpp"],
+        "graphstep.guards._fastcheck_ext",
+        ["src/graphstep/guards/_fastcheck.cpp"],
         extra_compile_args=["-O2", f'-DGRAPHSTEP_TORCH_VERSION="{version}"'],
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": OptionalBuild}}

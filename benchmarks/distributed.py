@@ -25,7 +25,7 @@ from graphstep.demo.bench import ManualGraphStep, gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
 from graphstep.demo.parallel import KINDS, parallelize
 from graphstep.demo.train import StepFn, make_train_step
-from graphstep.distributed import DDP_WARMUP_STEPS, Phase, Ranks
+from graphstep.distributed.ranks import DDP_WARMUP_STEPS, Phase, Ranks
 
 BATCH = 16
 

@@ -40,7 +40,7 @@ def _rank(rank: int, size: int, port: int, method: str, calls: int, out: object)
     os.environ["GRAPHSTEP_VOTE"] = "gloo" if method == "gloo" else ""
     import torch.distributed as dist
 
-    from graphstep.distributed import Phase, Ranks
+    from graphstep.distributed.ranks import Phase, Ranks
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)

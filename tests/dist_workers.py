@@ -405,7 +405,7 @@ def agree_at_random(rank: int, size: int, *, calls: int = 300) -> list:
     what `Ranks.agree` returned, with what it should have."""
     import random
 
-    from graphstep.distributed import Agreement, Phase, Ranks
+    from graphstep.distributed.ranks import Agreement, Phase, Ranks
 
     ranks = Ranks(dist.group.WORLD)
     wrong = []

@@ -45,7 +45,6 @@ CASES = {
 }
 
 
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_example_runs_on_cpu(name: str) -> None:
     args, package, expected = CASES[name]

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 import graphstep
 import helpers_reads
 from cpu_common import TinyNet, batches, same_params
-from graphstep.change import Change
-from graphstep.guards import StateGuard
-from graphstep.optim_guard import hyperparameters
-from graphstep.reads import Reads, ReadWatch
+from graphstep.guards.change import Change
+from graphstep.guards.optimizer import hyperparameters
+from graphstep.guards.reads import Reads, ReadWatch
+from graphstep.guards.state_guard import StateGuard
 from graphstep.state import TrainingState
 
 RECORDING = graphstep.Config(backend="recording", warmup_steps=2, max_recaptures=100)
@@ -376,7 +376,7 @@ def test_random_changes_always_equal_eager(calls):
 
 def test_the_cpp_helper_sees_what_the_python_path_sees():
     """Runs where the helper is built (GRAPHSTEP_BUILD_FASTCHECK=1, or built at install)."""
-    from graphstep import fastcheck
+    from graphstep.guards import fastcheck
 
     helper = fastcheck.helper()
     if helper is None:
@@ -421,7 +421,7 @@ def test_the_cpp_state_check_sees_every_kind_of_dict_change():
     every way to change a dict must count as one, and a change undone must hold again."""
     import sys
 
-    from graphstep import fastcheck
+    from graphstep.guards import fastcheck
 
     helper = fastcheck.helper()
     if helper is None:
@@ -490,7 +490,7 @@ def test_probing_a_guard_that_fails_has_no_side_effect():
 
 
 def test_optimizer_values_are_compared_after_an_assignment_and_lists_always():
-    from graphstep.optim_guard import OptimizerWatch
+    from graphstep.guards.optimizer import OptimizerWatch
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
@@ -519,7 +519,7 @@ def test_optimizer_values_are_compared_after_an_assignment_and_lists_always():
 def test_a_helper_built_for_another_torch_is_refused(caplog):
     import types
 
-    from graphstep import fastcheck
+    from graphstep.guards import fastcheck
 
     stale = types.SimpleNamespace(torch_version="1.0.0", TensorCheck=None)
     with caplog.at_level(logging.WARNING, logger="graphstep"):

@@ -20,8 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphstep
 from cpu_common import TinyNet, batches, same_params
-from graphstep.errors import GraphStepError, HostSyncError
-from graphstep.optim import OptimizerAdapter, UnsupportedOptimizerError, host_sync_hint, make_capturable, plan
+from graphstep.errors import GraphStepError, HostSyncError, UnsupportedOptimizerError
+from graphstep.optim import (
+    OptimizerAdapter,
+    host_sync_hint,
+    make_capturable,
+    plan,
+)
 
 RECORDING = graphstep.Config(backend="recording")
 N_STEPS = 20

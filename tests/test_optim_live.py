@@ -24,10 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphstep
 from cpu_common import TinyNet, batches
-from graphstep import optim_table as table
 from graphstep.diagnostics import host_sync_ops
 from graphstep.errors import GraphStepError, UnsupportedOptimizerError
-from graphstep.optim import OptimizerAdapter, baked_hyperparameters, make_capturable, plan
+from graphstep.optim import OptimizerAdapter, baked_hyperparameters, make_capturable, plan, table
 
 RECORDING = graphstep.Config(backend="recording")
 N_STEPS = 30
@@ -164,7 +163,7 @@ def test_the_table_matches_the_installed_torch(capturable_cpu, name, impl):
 
 
 def test_the_docstring_table_is_the_table():
-    assert table.table_markdown() in graphstep.optim.__doc__
+    assert table.table_markdown() in graphstep.optim.adapter.__doc__
 
 
 # -- every optimizer x schedule: equal to the eager twin, one capture ----------------------------------

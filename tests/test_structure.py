@@ -81,12 +81,52 @@ def test_no_import_circles_between_modules():
             visit(node, [])
 
 
-def test_the_core_imports_one_way():
-    edges = graph()
-    order = ["capture", "lifecycle", "step_context", "backends", "guards", "optim", "state", "signature", "config", "errors"]
-    for i, upper in enumerate(order):
-        for lower in order[i + 1 :]:
-            assert f"graphstep.{upper}" not in edges[f"graphstep.{lower}"], f"{lower} imports {upper}"
+# The layers, top to bottom: a module (or any module of a subpackage) imports only layers below it.
+LAYERS = [
+    "explain",
+    "capture",
+    "teardown",
+    "lifecycle",
+    "verify",
+    "step_context",
+    "effects",
+    "distributed",
+    "backends",
+    "guards",
+    "optim",
+    "profiling",
+    "diagnostics",
+    "state",
+    "signature",
+    "config",
+    "errors",
+]
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_layers_import_one_way():
+    upward = []
+    for module, targets in graph().items():
+        here = layer_of(module)
+        if here is None:
+            continue
+        for target in targets:
+            there = layer_of(target)
+            if there is not None and LAYERS.index(there) < LAYERS.index(here):
+                upward.append(f"{module} imports {target}")
+    assert not upward, "imports that climb back up: " + "; ".join(sorted(upward))
+
+
+def test_at_most_16_modules_at_the_top_and_each_subpackage_says_what_it_offers():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 16, f"{len(top)} modules at the top: {top}"
+    for init in PACKAGE.glob("*/__init__.py"):
+        if init.parent.name in LAYERS:
+            assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
 
 
 def test_no_module_is_past_500_lines():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstep import collectives
+from graphstep.distributed import collectives
 from graphstep.errors import CaptureError, HostSyncError
 
 

@@ -1,13 +1,13 @@
 """graphstep: capture a whole PyTorch training step into CUDA graphs, bitwise equal to eager."""
 
 from . import errors
-from .backends import capture_stream
+from .backends.cuda import capture_stream
+from .backends.segments import eager_segment
 from .capture import CapturedStep, capture
 from .config import Config
 from .diagnostics import StepStats
 from .errors import GraphStepError
 from .explain import Explanation, explain
-from .segments import eager_segment
 
 __all__ = [
     # the verb and its configuration

@@ -19,15 +19,17 @@ import torch
 
 from . import distributed, teardown
 from . import signature as sig
-from .backends import Backend, CudaGraphBackend, EagerBackend
+from .backends.base import Backend
+from .backends.cuda import CudaGraphBackend
+from .backends.eager import EagerBackend
+from .backends.recording import RecordingBackend
 from .config import Config
 from .diagnostics import StepStats, eager_fallback_message, log, too_many_graphs_message
-from .distributed import Agreement, Phase
+from .distributed.ranks import Agreement, Phase
 from .errors import ClosedError, GraphStepError, TooManyGraphsError
-from .guards import bindings
+from .guards.state_guard import bindings
 from .lifecycle import Lifecycle
-from .optim import OptimizerAdapter
-from .recording import RecordingBackend
+from .optim.adapter import OptimizerAdapter
 from .signature import Signature
 from .state import TrainingState, as_list
 from .step_context import StepContext

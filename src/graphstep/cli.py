@@ -20,10 +20,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(verbose=args.verbose)
     if args.command == "demo":
-        from graphstep.demo.train import run_demo
+        from .demo.train import run_demo
 
         return run_demo(steps=args.steps, device=args.device)
-    from graphstep.demo.bench import run_bench
+    from .demo.bench import run_bench
 
     command = shlex.join(["graphstep", *(sys.argv[1:] if argv is None else argv)])
     return run_bench(
@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from graphstep.demo.bench import METHODS, ROW_TIMEOUT_S
-    from graphstep.demo.bench_suites import SUITE_METHODS, suites
+    from .demo.bench import METHODS, ROW_TIMEOUT_S
+    from .demo.bench_suites import SUITE_METHODS, suites
 
     all_suites = suites()
     config_names = [name for table in all_suites.values() for name in table]

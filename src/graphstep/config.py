@@ -40,7 +40,7 @@ class Config:
     step's operations at capture and replays exactly those operations on the same memory, for tests."""
 
     check: Check = "full"
-    """Guards run before every replay (see `guards.py`). "full": the storage of every parameter,
+    """Guards run before every replay (see `guards/`). "full": the storage of every parameter,
     buffer and closure tensor, grads, module modes, optimizer param groups and hyperparameters,
     the optimizer's state object, closure objects. "strict": also every optimizer state tensor's
     storage, and every tracked tensor's shape, dtype and stride. "off": no checks; a changed

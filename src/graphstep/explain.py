@@ -15,13 +15,13 @@ import dataclasses
 from typing import Any
 
 from . import signature as sig
-from .barriers import is_simple
+from .backends.undo import UndoLog
 from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
-from .guards import bindings, named_state_tensors
-from .reads import ReadGuard, Reads, ReadWatch
+from .guards.barriers import is_simple
+from .guards.reads import ReadGuard, Reads, ReadWatch
+from .guards.state_guard import bindings, named_state_tensors
 from .state import Snapshot
-from .undo import UndoLog
 
 _NOT_CAPTURABLE = ("LBFGS", "SparseAdam")
 

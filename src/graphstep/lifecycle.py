@@ -8,10 +8,10 @@ reads): when a guard fails, a variant captured for the current values is replaye
 one, and a new one is captured only if not. Changes that can never come back (a parameter's
 storage moved, an object rebound) *re-capture* instead: the graphs go, and the capture counts
 towards `Config.max_recaptures`. A changed hyperparameter that an optimizer bakes in moves that
-optimizer to an eager segment (see `segments.py`) once, in `optimizer_mode="auto"`.
+optimizer to an eager segment (see `backends/segments.py`) once, in `optimizer_mode="auto"`.
 
 Each call goes plan (what this rank would do) -> agreement (what all ranks do, see
-`distributed.py`) -> act.
+`distributed/`) -> act.
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ from typing import Any
 
 import torch
 
-from . import segments
 from . import signature as sig
-from .backends import CudaGraphBackend, PartsRecording, Recording
-from .buffers import InputBuffers
+from .backends import segments
+from .backends.base import PartsRecording, Recording
+from .backends.buffers import InputBuffers
+from .backends.cuda import CudaGraphBackend
 from .diagnostics import capture_error, log, stale_message
-from .distributed import Agreement, Phase
+from .distributed.ranks import Agreement, Phase
 from .errors import GraphStepError, StaleGraphError
-from .guards import StateGuard, trainable
+from .guards.reads import ReadWatch
+from .guards.state_guard import StateGuard, trainable
 from .profiling import ranged
-from .reads import ReadWatch
 from .signature import Signature
 from .state import Snapshot
 from .step_context import StepContext

@@ -127,7 +127,7 @@ class Snapshot:
             p.grad = grad
         for opt, saved_state, saved_groups in self.optimizer_state:
             # The same dict objects, in the same order, holding the same values: a graph's guard
-            # compares them by identity (optim_guard.py).
+            # compares them by identity (guards/optimizer.py).
             opt.state.clear()
             for p, entry, contents in saved_state:
                 entry.clear()

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from . import signature as sig
-from .backends import Backend
+from .backends.base import Backend
 from .config import Config
 from .diagnostics import StepStats, log
-from .distributed import Ranks
-from .optim import OptimizerAdapter
+from .distributed.ranks import Ranks
+from .optim.adapter import OptimizerAdapter
 from .state import TrainingState
 
 

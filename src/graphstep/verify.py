@@ -18,7 +18,7 @@ import torch
 
 from . import signature as sig
 from .errors import VerificationError
-from .guards import named_state_tensors
+from .guards.state_guard import named_state_tensors
 from .state import Snapshot, TrainingState
 
 

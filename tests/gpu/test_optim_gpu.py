@@ -19,8 +19,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 import graphstep
-from graphstep import optim_table as table
-from graphstep.optim import make_capturable
+from graphstep.optim import make_capturable, table
 
 pytestmark = needs_cuda
 

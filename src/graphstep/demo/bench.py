@@ -35,24 +35,11 @@ from typing import Any
 import torch
 
 import graphstep
-from graphstep.demo.bench_measure import (
-    MEASUREMENT,
-    Counts,
-    ManualGraphStep,
-    cupti_graph_workaround,
-    measure_row,
-    new_row,
-)
-from graphstep.demo.bench_report import (
-    METHOD_ORDER,
-    add_ratios,
-    gpu_slug,
-    markdown_table,
-    sorted_rows,
-    write_results,
-)
-from graphstep.demo.bench_suites import SUITE_METHODS, suites
-from graphstep.demo.bench_workloads import GPT_CONFIGS
+
+from .bench_measure import MEASUREMENT, Counts, ManualGraphStep, cupti_graph_workaround, measure_row, new_row
+from .bench_report import METHOD_ORDER, add_ratios, gpu_slug, markdown_table, sorted_rows, write_results
+from .bench_suites import SUITE_METHODS, suites
+from .bench_workloads import GPT_CONFIGS
 
 __all__ = [
     "CONFIGS",

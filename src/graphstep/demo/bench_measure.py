@@ -34,8 +34,9 @@ import torch
 from torch import Tensor
 
 import graphstep
-from graphstep.demo.bench_suites import suites
-from graphstep.demo.bench_workloads import BuildContext, PackageMissing, StepFn, Workload, n_parameters
+
+from .bench_suites import suites
+from .bench_workloads import BuildContext, PackageMissing, StepFn, Workload, n_parameters
 
 log = logging.getLogger("graphstep")
 

@@ -6,8 +6,8 @@ no one here wrote (`bench_models.py`).
 
 from __future__ import annotations
 
-from graphstep.demo.bench_models import MODEL_CONFIGS
-from graphstep.demo.bench_workloads import GPT_CONFIGS, BenchConfig
+from .bench_models import MODEL_CONFIGS
+from .bench_workloads import GPT_CONFIGS, BenchConfig
 
 SUITE_METHODS = {
     "gpt": ("eager", "compile", "reduce_overhead", "manual_graph", "graphstep", "graphstep_compiled"),

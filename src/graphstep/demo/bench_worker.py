@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logger.addHandler(handler)
 
-    from graphstep.demo.bench_measure import Counts, cupti_graph_workaround, measure_row
+    from .bench_measure import Counts, cupti_graph_workaround, measure_row
 
     cupti_graph_workaround()
     row = measure_row(

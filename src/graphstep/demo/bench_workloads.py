@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from graphstep.demo.gpt import GPT, GPT2_SMALL, TINY, GPTConfig, make_batches
-from graphstep.demo.train import CLIP_NORM, LR, make_optimizer, make_train_step
+from .gpt import GPT, GPT2_SMALL, TINY, GPTConfig, make_batches
+from .train import CLIP_NORM, LR, make_optimizer, make_train_step
 
 StepFn = Callable[..., Tensor]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..backends import capture_stream
+from ..backends.cuda import capture_stream
 from .gpt import GPT
 
 KINDS = ("ddp", "fsdp", "fsdp_keep", "tp")

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor, nn
 
 import graphstep
-from graphstep.demo.gpt import GPT, TINY, make_batches
+
+from .gpt import GPT, TINY, make_batches
 
 log = logging.getLogger("graphstep")
 

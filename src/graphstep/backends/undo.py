@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .state import follow, storage_paths
+from ..state import follow, storage_paths
 
 
 def written_arguments(func: torch._ops.OpOverload) -> list[int]:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from ..optim.adapter import baked_hyperparameters
 from . import fastcheck
 from .change import Change
-from .optim import baked_hyperparameters
 
 
 def hyperparameters(group: dict, ignored: frozenset[str] = frozenset()) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """How the ranks of a distributed step exchange a few small numbers: the vote's transport.
 
 Every exchange is one element-wise maximum over the ranks of a short vector of non-negative
-integers (`Board.max`); `distributed.py` encodes in it what the ranks must agree on (the lowest
+integers (`Board.max`); `ranks.py` encodes in it what the ranks must agree on (the lowest
 phase, which rank holds back, which rank failed, whether the next collective is the same
 everywhere). Two transports give the same answers:
 
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .diagnostics import log
-from .errors import RankFailedError
+from ..diagnostics import log
+from ..errors import RankFailedError
 
 WIDTH = 4
 """The longest vector one exchange carries."""

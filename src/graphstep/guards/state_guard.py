@@ -21,7 +21,7 @@ holds:
 Cost per replay: module modes and attributes through a write barrier (free unless a watched
 module was written), one pass over the tensors' data pointers and the parameters' `requires_grad`
 (in C++ when the helper of `fastcheck.py` is built: ~10 us instead of ~120 us for 1,000
-parameters), an identity test per optimizer group value (see `optim_guard.py`) and a few reads per
+parameters), an identity test per optimizer group value (see `optimizer.py`) and a few reads per
 global the step read. Names and
 reasons are only worked out once something changed (`changes()`, a list of `Change`).
 Strong references are held, so memory a graph uses can never be freed under it.
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..state import TrainingState, follow, storage_paths
 from . import barriers, fastcheck
 from .change import Change
-from .optim_guard import OptimizerWatch
+from .optimizer import OptimizerWatch
 from .reads import ReadGuard, Reads
-from .state import TrainingState, follow, storage_paths
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from .backends import Backend
+from .base import Backend
 
 
 class InputBuffers:

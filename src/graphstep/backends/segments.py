@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from . import signature as sig
-from .errors import CaptureError, GraphStepError
-from .profiling import ranged
+from .. import signature as sig
+from ..errors import CaptureError, GraphStepError
+from ..profiling import ranged
 
 _local = threading.local()
 _NONE_SPEC = sig.flatten(None)[1]

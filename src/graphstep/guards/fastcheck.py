@@ -4,12 +4,12 @@
 `requires_grad` before each replay. From Python each read costs 50-70 ns, so a model with 1,000
 parameter tensors pays over 100 us per replay; `_fastcheck.cpp` does the same reads in one C++
 loop (about 9 us for 1,000 tensors on the CPU that measured the former). It also checks optimizer
-state dicts by identity (`StateCheck`, see optim_guard.py); from Python 3.12 it watches those dicts
+state dicts by identity (`StateCheck`, see optimizer.py); from Python 3.12 it watches those dicts
 (PEP 699) and walks them only after one of them changed.
 
 The helper is used when it can be imported:
 
-- `graphstep._fastcheck_ext`, built at install time by setup.py when torch is importable during
+- `graphstep.guards._fastcheck_ext`, built at install time by setup.py when torch is importable during
   the build (`pip install --no-build-isolation`, as `make setup` does) and a C++ compiler works
   (about 40 s), or
 - built on first use with `torch.utils.cpp_extension.load` (a C++ compiler and ninja needed;

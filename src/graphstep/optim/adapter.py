@@ -52,7 +52,7 @@ Adagrad keeps its step count on the host unless fused (CPU only), and Adafactor 
 `.item()`: their step runs eagerly, always. LBFGS (closure) and SparseAdam (data-dependent sizes)
 are refused. An optimizer graphstep does not know (a custom `Optimizer` subclass, a torch class
 whose `step()` is overridden, Muon) has nothing live: its numbers are baked, and the first change
-of one moves its step to an eager segment. Where torch 2.6 differs, see `optim_table.py`.
+of one moves its step to an eager segment. Where torch 2.6 differs, see `table.py`.
 
 A live hyperparameter is a 0-d float32 tensor in the param group (a tuple of them and numbers for
 `betas`, `etas`, `step_sizes`). It is made at the optimizer's first step (or the first call of a
@@ -88,11 +88,11 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import optim_table as table
-from .errors import GraphStepError, UnsupportedOptimizerError
-from .optim_live import LIVE, Live
-from .optim_load import install_load_hooks, move_host_state
-from .optim_plan import GroupPlan, check_supported, eager_only_reason, plan
+from ..errors import GraphStepError, UnsupportedOptimizerError
+from . import table
+from .live import LIVE, Live
+from .load import install_load_hooks, move_host_state
+from .plan import GroupPlan, check_supported, eager_only_reason, plan
 
 log = logging.getLogger("graphstep")
 

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .diagnostics import _describe, is_host_sync, log, user_frame_of
-from .errors import CaptureError, CollectiveMismatchError, GraphStepError, HostSyncError, RankFailedError
+from ..diagnostics import _describe, is_host_sync, log, user_frame_of
+from ..errors import CaptureError, CollectiveMismatchError, GraphStepError, HostSyncError, RankFailedError
 
 WATCHABLE = "ignore_compile_internals" in vars(TorchDispatchMode)
 """Whether this torch lets a dispatch mode watch a step without turning torch.compile off."""

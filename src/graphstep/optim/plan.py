@@ -1,6 +1,6 @@
 """Planning an optimizer for a captured step: which flags to set and which hyperparameters stay live.
 
-`plan` reads `optim_table.py`'s facts about torch's optimizers and decides, per param group, what
+`plan` reads `table.py`'s facts about torch's optimizers and decides, per param group, what
 `OptimizerAdapter.prepare` will do; it changes nothing.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import optim_table as table
-from .errors import UnsupportedOptimizerError
+from ..errors import UnsupportedOptimizerError
+from . import table
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from ..errors import GraphStepError, RankFailedError
 from . import vote
 from .collectives import ERROR, KINDS, Together, describe_error, failure_code, is_agreed, mark_agreed
-from .errors import GraphStepError, RankFailedError
 
 log = logging.getLogger("graphstep")
 

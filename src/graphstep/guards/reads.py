@@ -45,7 +45,7 @@ from .barriers import MISSING, describe, is_simple, same
 
 log = logging.getLogger("graphstep")
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graphstep/, above guards/
 _DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo")
 
 

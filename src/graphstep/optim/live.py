@@ -15,9 +15,9 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
-from .errors import GraphStepError
-from .optim_load import move_host_state
-from .optim_plan import GroupPlan, plan
+from ..errors import GraphStepError
+from .load import move_host_state
+from .plan import GroupPlan, plan
 
 
 class Live:
@@ -140,9 +140,9 @@ def _capturing() -> bool:
         return True
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # private; 2.0-2.13
 
-    from .recording import _Recorder
-
-    return any(isinstance(mode, _Recorder) for mode in _get_current_dispatch_mode_stack())
+    # The recording backend's dispatch mode marks itself; asked by attribute, so that the optimizer
+    # layer does not import the backends above it.
+    return any(getattr(mode, "stands_in_for_a_capture", False) for mode in _get_current_dispatch_mode_stack())
 
 
 def _usable(value: object, device: torch.device) -> bool:

@@ -1,0 +1,116 @@
+"""The backend protocol: what warm-up, capture and replay mean on a machine, and the
+`Recording` a capture hands out (one captured step, replayable and releasable).
+
+- `CudaGraphBackend` (`cuda.py`): warm-up runs eagerly on a side stream with every allocation routed into
+  the step's private memory pool; capture records the step into `torch.cuda.CUDAGraph`s in
+  that pool (it executes nothing); a replay launches the graphs on the caller's stream.
+- `EagerBackend` (`eager.py`): the step simply runs, every call. Used where there is no CUDA device or the
+  step's tensors live on the CPU, so the same code runs everywhere with the same bookkeeping.
+- `RecordingBackend` (`recording.py`): a CPU stand-in for a CUDA graph for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from .segments import Segment, Splitter
+
+
+class Recording(Protocol):
+    """One captured step."""
+
+    outputs: Any
+    """The step's outputs as captured: for a graph, the buffers every replay writes into."""
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        """Perform one step and return its outputs (for a graph: `self.outputs`, refreshed)."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class PartsRecording:
+    """A captured step as parts (graphs, or lists of recorded operations) with eager segments
+    between them (see `segments.py`); without segments, one part."""
+
+    def __init__(self, parts: list[Callable[[], None]], release: Callable[[], None]):
+        self.parts = parts
+        self._release = release
+        self.outputs: Any = None
+        self.segments: list[Segment] = []
+        self.cuda_graphs: list[torch.cuda.CUDAGraph] = []
+        """The graphs of the parts, for a CUDA backend (their pool can be asked for)."""
+        self.grads_after: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        """`.grad`s as the capture left them, put back after every replay: the grads a step leaves
+        attached (its optimizer runs outside it) that the user set to None since; with segments,
+        which attach the grads they read, every parameter's."""
+
+    def replay(self, args: tuple, kwargs: dict) -> Any:
+        parts = self.parts
+        if not self.segments:
+            parts[0]()
+            for p, g in self.grads_after:  # grads the step leaves attached, set to None since
+                p.grad = g
+            return self.outputs
+        for part, segment in zip(parts, self.segments):
+            part()
+            segment.run()
+        parts[-1]()
+        for p, g in self.grads_after:
+            p.grad = g
+        return self.outputs
+
+    def release(self) -> None:
+        if self.parts:
+            self._release()
+        self.parts, self.segments, self.grads_after, self.outputs = [], [], [], None
+
+
+CaptureBody = Callable[[Splitter], Any]
+"""The step as a backend captures it: called once with the backend's splitter, returns the outputs."""
+
+
+class Backend(Protocol):
+    name: str
+    graphs: int
+    """Graphs alive in this backend's pool (CUDA; 0 elsewhere)."""
+    cuda_devices: tuple[int, ...]
+    """The CUDA device the step runs on, whose RNG a snapshot must save; empty elsewhere."""
+    users: int
+    """Captured steps using this backend."""
+    static_buffers: bool
+    """Replays read fixed input buffers, so each call's tensors must be copied into them, and
+    write fixed output buffers, which the next replay overwrites."""
+    capture_executes: bool
+    """Capturing also performs the step (eager, recording). A CUDA capture does not: the call
+    that captures must replay once to take its step."""
+
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
+        """Run the step eagerly. `in_pool=False` once graphs exist: memory a graph uses as
+        scratch between its replays must not hold tensors that outlive an eager call."""
+        ...
+
+    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+        """Record `body` (the step). `args, kwargs`: the call's (the eager backend replays with a
+        call's own arguments). `generators`: the step's own CUDA `torch.Generator`s, which a
+        graph must know to advance them on every replay as eager would."""
+        ...
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty tensor with `like`'s shape, dtype, device and stride, for a static input."""
+        ...
+
+    def pool_bytes(self) -> int: ...
+
+    def renew_pool(self) -> None:
+        """Capture later graphs into a fresh pool (after every graph was released)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def empty_like_strided(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)

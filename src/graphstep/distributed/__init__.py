@@ -1,0 +1,34 @@
+"""Distributed steps: the ranks of a process group warm up, capture and re-capture together.
+
+- `ranks.py`: `Ranks`, their agreement on each call's phase, and DDP / NCCL preparation.
+- `collectives.py`: while eager or capturing, ranks go collective by collective together.
+- `vote.py`: the transport of the ranks' vote (shared memory on one host, the process group across hosts).
+"""
+
+from .ranks import (
+    DDP_WARMUP_STEPS,
+    Agreement,
+    Phase,
+    Ranks,
+    check_nccl_graph_registration,
+    close_before_destroy,
+    expandable_segments,
+    prepare_ddp,
+    ranks_for,
+    recover_ddp,
+    set_nccl_graph_registration,
+)
+
+__all__ = [
+    "DDP_WARMUP_STEPS",
+    "Agreement",
+    "Phase",
+    "Ranks",
+    "check_nccl_graph_registration",
+    "close_before_destroy",
+    "expandable_segments",
+    "prepare_ddp",
+    "ranks_for",
+    "recover_ddp",
+    "set_nccl_graph_registration",
+]
