@@ -51,7 +51,12 @@ OPTIONS = {
     "ASGD": dict(lr=1e-2),
     "Rprop": dict(lr=1e-3),
 }
-FLAGS = {"foreach": dict(foreach=True), "forloop": dict(foreach=False), "fused": dict(fused=True)}
+FLAGS = {
+    "foreach": dict(foreach=True),
+    "forloop": dict(foreach=False),
+    "fused": dict(fused=True),
+    "default": {},  # neither flag: on CUDA graphstep runs Adam/AdamW fused (its choice), torch foreach
+}
 VOCAB, SEQ, BATCH, WIDTH = 128, 16, 8, 32
 
 
@@ -136,18 +141,25 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--optimizers", default=",".join(OPTIONS), help="comma-separated subset")
     args = parser.parse_args()
     if args.device != "cpu":  # run-to-run deterministic, so every difference is the settings'
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     rows = []
     with capturable_on_cpu(args.device == "cpu"):
-        for name in OPTIONS:
+        for name in args.optimizers.split(","):
             fused = name in ("SGD", "Adam", "AdamW") or (name == "Adagrad" and args.device == "cpu")
             impls = ["foreach", "forloop"] + (["fused"] if fused else [])
+            impls += ["default"] if name in ("Adam", "AdamW") else []
             for schedule in SCHEDULES:
                 default = {i: train(name, i, schedule, False, args.steps, args.device) for i in impls}
                 yardstick = rel_diff(default["forloop"][0], default["foreach"][0])
+                # torch's fused kernel against its default (foreach), both as constructed: what choosing
+                # fused moves by itself, before any graphstep setting.
+                fused_vs_default = (
+                    rel_diff(default["fused"][0], default["default"][0]) if "default" in default else None
+                )
                 # One float32 ulp more lr, every step: how far plain rounding noise carries in N steps.
                 nudged = train(name, "foreach", schedule, False, args.steps, args.device, 1 + 2.0**-23)[0]
                 ulp = rel_diff(nudged, default["foreach"][0])
@@ -163,6 +175,7 @@ def main() -> None:
                             rel_diff=rel_diff(ours, default[impl][0]),
                             yardstick_foreach_vs_forloop=yardstick,
                             yardstick_lr_one_ulp=ulp,
+                            torch_fused_vs_default=fused_vs_default if impl == "default" else None,
                             loss_default=default[impl][1],
                             loss_graphstep=loss,
                         )
@@ -171,14 +184,15 @@ def main() -> None:
     write(rows, args)
 
 
-def _fmt(x: float) -> str:
-    return "NaN" if math.isnan(x) else "0" if x == 0 else f"{x:.1e}"
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else "NaN" if math.isnan(x) else "0" if x == 0 else f"{x:.1e}"
 
 
 def _line(r: dict) -> str:
     return (
         f"| {r['optimizer']} | {r['impl']} | {r['schedule']} | {_fmt(r['rel_diff'])} | "
         f"{_fmt(r['yardstick_foreach_vs_forloop'])} | {_fmt(r['yardstick_lr_one_ulp'])} | "
+        f"{_fmt(r.get('torch_fused_vs_default'))} | "
         f"{r['loss_default']:.4f} | {r['loss_graphstep']:.4f} |"
     )
 
@@ -211,9 +225,13 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "optimizer as constructed. Yardsticks, both between default runs: `foreach vs for-loop` (torch's two",
         "implementations) and `lr +1 ulp` (the foreach run with lr * (1 + 2^-23): float32 rounding noise",
         "carried through N steps). NaN: capturable for-loop Adam/AdamW at lr exactly 0 (pytorch#126514).",
+        "impl `default`: constructed with neither foreach nor fused; graphstep runs Adam/AdamW fused there on",
+        "CUDA (its choice; on the CPU it keeps torch's choice), torch's default is foreach. `torch fused vs",
+        "default`: torch's fused=True against its default, both as constructed (what fused moves by itself).",
         "",
-        "| optimizer | impl | schedule | rel diff | foreach vs for-loop | lr +1 ulp | loss default | loss graphstep |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| optimizer | impl | schedule | rel diff | foreach vs for-loop | lr +1 ulp | torch fused vs default "
+        "| loss default | loss graphstep |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
         *[_line(r) for r in rows],
         "",
     ]

@@ -153,6 +153,58 @@ def test_plan_per_optimizer(make, device, capturable, tensor_lr):
     assert opt.param_groups[0].get("capturable", False) is False, "plan() must change nothing"
 
 
+@pytest.mark.parametrize(
+    "make, fused",
+    [
+        (lambda: optim.Adam(P), True),
+        (lambda: optim.AdamW(P, weight_decay=0.1), True),
+        (lambda: optim.AdamW(P, amsgrad=True, maximize=True), True),
+        (lambda: optim.AdamW(P, foreach=True), False),  # the user's choice is kept
+        (lambda: optim.AdamW(P, foreach=False), False),
+        (lambda: optim.Adam(P, fused=False), False),
+        (lambda: optim.Adam(P, differentiable=True), False),
+        (lambda: optim.NAdam(P), False),  # no fused kernel
+        (lambda: optim.SGD(P, momentum=0.9), False),
+        (lambda: OwnStepAdam(P), False),  # its own step() may not take fused=True
+    ],
+)
+def test_adam_runs_fused_on_cuda_unless_the_user_chose(make, fused, monkeypatch):
+    """graphstep's implementation choice, decided for a CUDA device (the parameters' own check,
+    what torch's fused kernels take, is faked: this machine has no CUDA tensors)."""
+    from graphstep.optim import table
+
+    monkeypatch.setattr(table, "fused_kernel_takes", lambda params, device: True)
+    opt = make()
+    (p,) = plan(opt, "cuda")
+    assert p.fuse == fused and (p.impl == "fused") == fused, p
+    assert not fused or p.tensor_lr, "fused Adam reads lr as a device tensor"
+    assert not plan(opt, "cpu")[0].fuse, "on the CPU nothing is chosen"
+    assert opt.param_groups[0].get("fused") == opt.defaults.get("fused"), "plan() must change nothing"
+
+
+def test_make_capturable_on_cuda_sets_fused_and_amp_scaling(monkeypatch):
+    from graphstep.optim import table
+
+    monkeypatch.setattr(table, "fused_kernel_takes", lambda params, device: True)
+    monkeypatch.setattr(table, "capturable_devices", lambda: ("cuda",))
+    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    OptimizerAdapter([opt]).prepare(torch.device("cuda", 0))  # no CUDA call: the index is given
+    group = opt.param_groups[0]
+    assert (group["fused"], group["capturable"], group["foreach"]) == (True, True, None)
+    assert opt._step_supports_amp_scaling, "GradScaler must hand a fused optimizer its scale, as torch does"
+    assert opt.defaults["fused"] is True, "groups added later run fused too"
+
+
+def test_fused_kernel_takes_only_floating_tensors_on_the_device():
+    from graphstep.optim import table
+
+    floats = [torch.nn.Parameter(torch.zeros(2))]
+    assert table.fused_kernel_takes(floats, torch.device("cpu"))
+    assert not table.fused_kernel_takes(floats, torch.device("cuda"))
+    assert not table.fused_kernel_takes([torch.zeros(2, dtype=torch.int64)], torch.device("cpu"))
+    assert not table.fused_kernel_takes([], torch.device("cpu"))
+
+
 class _ItemCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -40,6 +40,9 @@ OPTIONS = {
 FLAGS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False)}
 FUSED_ON_CUDA = ("SGD", "Adam", "AdamW")  # fused Adagrad is CPU-only
 ROWS = [(n, i) for n in OPTIONS for i in FLAGS if i != "fused" or n in FUSED_ON_CUDA]
+# Constructed with no flags: graphstep runs Adam and AdamW fused (its choice), the others foreach.
+FLAGS["default"] = {}
+ROWS += [(n, "default") for n in table.FUSED_BY_CHOICE]
 
 
 def onecycle(opt: torch.optim.Optimizer) -> sched.LRScheduler:
@@ -66,7 +69,7 @@ def baked_by(name: str, impl: str, schedule: str) -> list[str]:
         )
     if name == "Adagrad":
         return ["its whole step (a host step count on a GPU)"]
-    live = table.LIVE[name].get(impl, {})
+    live = table.LIVE[name].get("fused" if impl == "default" else impl, {})
     return [k for k in changed if not (k in live or (k == "betas[0]" and 0 in (live.get("betas") or ())))]
 
 
@@ -127,6 +130,8 @@ def test_optimizer_and_schedule_bitwise_equal_to_eager_with_one_capture(name, im
     make = lambda params: getattr(torch.optim, name)(params, **OPTIONS[name], **FLAGS[impl])  # noqa: E731
     eager_opt, graph_opt = make(twin.parameters()), make(model.parameters())
     make_capturable(eager_opt, "cuda")  # before its scheduler; graphstep prepares at its first call
+    if impl == "default":
+        assert eager_opt.param_groups[0]["fused"] is True, "graphstep runs default Adam/AdamW fused on CUDA"
     step = graphstep.capture(make_step(model, graph_opt), model=model, optimizer=graph_opt)
     in_graph = (name, impl, schedule) not in IN_SEGMENT
     runs = []

@@ -9,9 +9,12 @@ A CUDA graph replays kernels with the arguments they had at capture. For an opti
   as one stays *live*, and a scheduler that writes it in place (`fill_`) is honoured.
 
 `OptimizerAdapter` (used by `graphstep.capture`, and by `make_capturable` for an eager twin) sets
-`capturable=True` where torch offers it (`fused`/`foreach` stay as the user chose), moves host
-state to the device, and keeps every hyperparameter live that torch's own implementation reads on
-the device without a host sync. That depends on the implementation that runs:
+`capturable=True` where torch offers it, moves host state to the device, and keeps every
+hyperparameter live that torch's own implementation reads on the device without a host sync.
+`foreach`/`fused` stay as the user chose, with one exception: Adam and AdamW on CUDA whose user chose
+neither run fused (graphstep's choice, logged once): the capturable foreach update costs the GPU
+more than eager's, the fused kernel no more (`table.FUSED_BY_CHOICE`; docs/optimizers.md). What is
+live depends on the implementation that runs:
 
 | optimizer | implementation | device tensor (live) | eager segment on first change |
 |---|---|---|---|
@@ -174,8 +177,16 @@ class OptimizerAdapter:
             for group, p in zip(optimizer.param_groups, group_plans):
                 if p.capturable:
                     group["capturable"] = True
+                if p.fuse:
+                    group["fused"] = True
             if any(p.capturable for p in group_plans):
                 optimizer.defaults["capturable"] = True  # for groups added later
+            if any(p.fuse for p in group_plans):
+                # As torch's constructor does for fused=True: GradScaler then hands the optimizer its
+                # scale and inf flag instead of unscaling and reading found_inf with .item().
+                optimizer._step_supports_amp_scaling = True
+                if optimizer.defaults.get("foreach") is None and optimizer.defaults.get("fused") is None:
+                    optimizer.defaults["fused"] = True  # for groups added later
             move_host_state(optimizer)
             install_load_hooks(optimizer, Live.absorb_loaded)
             if first:
@@ -303,6 +314,13 @@ def _log_plan(optimizer: Optimizer, group_plans: list[GroupPlan]) -> None:
         log.info("graphstep: %s: its step runs eagerly: %s", name, group_plans[0].eager_only)
         return
     numbers_ = table.numbers_of(optimizer)
+    if any(p.fuse for p in group_plans):
+        log.info(
+            "graphstep: %s: runs fused=True (graphstep's choice on CUDA for Adam/AdamW constructed with "
+            "neither foreach nor fused): its capturable foreach update would cost the GPU more than eager's "
+            "foreach; the fused kernel does not. Pass foreach=True to keep foreach.",
+            name,
+        )
     for i, p in enumerate(group_plans):
         live = sorted(p.live)
         baked = [k for k in numbers_ if k not in p.live or p.live[k] is not table.SCALAR]

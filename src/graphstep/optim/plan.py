@@ -23,6 +23,9 @@ class GroupPlan:
 
     capturable: bool
     """Set `capturable=True` (the optimizer has the flag and the device supports it)."""
+    fuse: bool
+    """Set `fused=True`: graphstep's choice for Adam/AdamW on CUDA whose user chose neither
+    `foreach` nor `fused` (see `table.fused_by_choice`)."""
     impl: str
     """The implementation its step runs: "fused", "foreach" or "forloop"."""
     live: Mapping[str, tuple[int, ...] | None]
@@ -48,14 +51,15 @@ def plan(optimizer: Optimizer, device: torch.device | str) -> list[GroupPlan]:
     for group in optimizer.param_groups:
         differentiable = bool(group.get("differentiable"))
         capturable = "capturable" in group and on_device and not differentiable
-        impl = table.implementation(group)
+        fuse = name is not None and table.fused_by_choice(name, group, device)
+        impl = "fused" if fuse else table.implementation(group)
         live: Mapping[str, Any] = {}
         # Classes with a capturable flag read tensors only on their capturable paths (and fused).
         reads_tensors = impl == "fused" or capturable or group.get("capturable") or "capturable" not in group
         if name is not None and not differentiable and not eager_only and reads_tensors:
             live = table.LIVE[name].get(impl, {})
         why = "" if "lr" in live else table.why_baked(name, impl, "lr")
-        plans.append(GroupPlan(capturable, impl, dict(live), why, eager_only))
+        plans.append(GroupPlan(capturable, fuse, impl, dict(live), why, eager_only))
     return plans
 
 
