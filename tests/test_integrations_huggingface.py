@@ -127,3 +127,24 @@ def train_accelerated(accelerate, data: list, captured: bool) -> tuple[list[torc
         losses = [graphed(x, y) for x, y in data]
         assert graphed.stats.replays == len(data) - 4, graphed.stats
     return losses, model
+
+
+def test_warmups_take_transformers_capture_path_and_restore_it():
+    """graphstep's CUDA warm-ups and captures tell transformers a stream captures, so warm-ups
+    run (and a compiled model compiles) the path the graph replays; outside, nothing changes."""
+    from transformers.utils import import_utils
+
+    from graphstep.backends.libraries import as_captured
+
+    original = import_utils.is_cuda_stream_capturing
+    assert not import_utils.is_tracing()
+    with as_captured():
+        assert import_utils.is_tracing(), "transformers must see its capture path inside"
+        inner = import_utils.is_cuda_stream_capturing
+        with as_captured():  # nested (a capture inside a verified replay): the same function object
+            assert import_utils.is_cuda_stream_capturing is inner
+        assert import_utils.is_cuda_stream_capturing is inner
+    assert import_utils.is_cuda_stream_capturing is original and not import_utils.is_tracing()
+    with pytest.raises(RuntimeError), as_captured():
+        raise RuntimeError("a failing step")
+    assert import_utils.is_cuda_stream_capturing is original, "restored after an error too"

@@ -227,9 +227,9 @@ def test_graphstep_trainer_bitwise_equal_to_the_trainer():
 
 
 def test_graphstep_trainer_with_an_attention_mask():
-    """transformers checks `attention_mask.all()` on the host, except while a stream captures: the
-    warm-ups sync, the capture does not (host syncs are judged at capture), and with an explicit
-    mask both paths compute the same (H100, 2026-11-23: bitwise)."""
+    """transformers checks `attention_mask.all()` on the host, except while a stream captures
+    (graphstep's warm-ups take that path too), and with an explicit mask both paths compute the
+    same as a plain Trainer's (H100, 2026-11-23: bitwise)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers")
     from graphstep.integrations.huggingface import GraphStepTrainer
 

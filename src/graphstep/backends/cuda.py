@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .base import CaptureBody, PartsRecording, Recording, empty_like_strided
+from .libraries import as_captured
 from .segments import Splitter
 
 
@@ -102,7 +103,13 @@ class CudaGraphBackend:
             release(self.index, self.pool)
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
-        with self._on_capture_stream(), self._in_pool() if in_pool else contextlib.nullcontext():
+        # as_captured: libraries that compute differently while a stream captures (transformers)
+        # run the path the graph will replay, so a compiled model compiles it here, not in capture.
+        with (
+            as_captured(),
+            self._on_capture_stream(),
+            self._in_pool() if in_pool else contextlib.nullcontext(),
+        ):
             return fn(*args, **kwargs)
 
     def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
@@ -128,7 +135,7 @@ class CudaGraphBackend:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            with self._on_capture_stream():
+            with as_captured(), self._on_capture_stream():
                 begin_part()
                 try:
                     outputs = body(Splitter(end_part, begin_part, executes=False), *args, **kwargs)

@@ -21,8 +21,9 @@ micro-batches in this update (smaller at the end of an epoch) and whether gradie
 device before the captured call, so a replay copies device tensors, never pageable host memory.
 
 transformers computes differently while a stream captures (`is_tracing()`: a model given no
-`attention_mask` builds one explicitly, and host checks are skipped): the replays compute as that path
-does, the eager warm-ups as the usual one. With an `attention_mask` in the inputs both paths agree and
+`attention_mask` builds one explicitly, and host checks are skipped). graphstep's warm-ups take that
+path too (`graphstep.backends.libraries`), so every call computes as the replays do, and a compiled
+model compiles it before the capture. With an `attention_mask` in the inputs both paths agree and
 the run is bitwise equal to a plain `Trainer` (tested on an H100, with gradient accumulation).
 
 **`capture_accelerated(accelerator, fn, ...)`** captures the step of a plain `accelerate` loop: it passes
