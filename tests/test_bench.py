@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from graphstep.demo import bench, bench_models, bench_report
 from graphstep.demo.bench_measure import MEASUREMENT, Counts, measure_row
@@ -65,6 +66,22 @@ def test_every_model_config_names_what_it_needs():
     assert list(models) == ["resnet50", "vit_s16", "bert_base", "llama_125m", "ppo_mlp", "gcn"]
     assert models["resnet50"].packages == ("torchvision",) and models["ppo_mlp"].packages == ()
     assert "manual_graph" not in SUITE_METHODS["models"]  # it would bake the schedulers' values in
+
+
+def test_the_whole_step_compiled_turns_compiled_autograd_on_only_until_closed():
+    import torch._dynamo.config as dynamo_config
+
+    from graphstep.demo.bench_measure import make_method_step
+    from graphstep.demo.bench_workloads import BuildContext
+
+    assert {"compiled_step", "compiled_step_ro"} <= set(SUITE_METHODS["gpt"])
+    workload = suites()["gpt"]["tiny"].build(BuildContext(device=torch.device("cpu"), n_calls=4, tiny=True))
+    before = dynamo_config.compiled_autograd
+    for method in ("compiled_step", "compiled_step_ro"):
+        _, close, captured = make_method_step(method, workload)  # compiles lazily: nothing runs yet
+        assert dynamo_config.compiled_autograd and captured is None
+        close()
+        assert dynamo_config.compiled_autograd == before
 
 
 def test_need_reports_a_missing_or_broken_package():

@@ -5,6 +5,9 @@ Methods (same model, optimizer, scheduler, data and step function for each):
   compile             torch.compile(model); backward, clip and optimizer eager
   reduce_overhead     torch.compile(model, mode="reduce-overhead"): cudagraph trees around the
                       model's forward and backward; clip and optimizer eager
+  compiled_step       torch.compile(the whole step) with compiled autograd: forward, backward,
+                      clip and the optimizer step in one compiled function (default mode)
+  compiled_step_ro    the same in mode="reduce-overhead" (cudagraph trees around what it compiled)
   manual_graph        the whole step hand-captured with torch.cuda.graph (gpt suite only)
   graphstep           graphstep.capture around the eager step
   graphstep_compiled  graphstep.capture around the step with a torch.compile(model) inside
@@ -280,6 +283,8 @@ def make_method_step(
             return inner(*args)
 
         return step, None, None
+    if method in ("compiled_step", "compiled_step_ro"):
+        return compiled_step(workload, "reduce-overhead" if method == "compiled_step_ro" else "default")
     if method == "manual_graph":
         manual = ManualGraphStep(workload.make_step(model))
         return manual, manual.close, None
@@ -291,6 +296,28 @@ def make_method_step(
         )
         return captured, captured.close, captured
     raise ValueError(f"unknown method {method!r}")
+
+
+def compiled_step(workload: Workload, mode: str) -> tuple[StepFn, Callable[[], None], None]:
+    """The strongest torch.compile anchor: the whole step compiled, backward through compiled
+    autograd (so the backward graph, clipping and the optimizer step are traced with the forward),
+    in `mode`. Compiled autograd is a process-wide switch: on until the returned close()."""
+    import torch._dynamo.config as dynamo_config
+
+    before = dynamo_config.compiled_autograd
+    dynamo_config.compiled_autograd = True
+    inner = torch.compile(workload.make_step(workload.model), mode=mode)
+    reduce_overhead = mode == "reduce-overhead"
+
+    def step(*args: Any) -> Tensor:
+        if reduce_overhead:  # a new iteration: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return inner(*args)
+
+    def close() -> None:
+        dynamo_config.compiled_autograd = before
+
+    return step, close, None
 
 
 class ManualGraphStep:

@@ -1,6 +1,7 @@
 """The suites of `graphstep bench` and the methods each runs.
 
-`gpt` (the default): the built-in GPT at two sizes (`bench_workloads.py`). `models`: real models
+`gpt` (the default): the built-in GPT at two sizes (`bench_workloads.py`), with the hand-written
+whole-step graph and the whole step compiled (`compiled_step`, `compiled_step_ro`) as anchors. `models`: real models
 no one here wrote (`bench_models.py`).
 """
 
@@ -10,7 +11,16 @@ from .bench_models import MODEL_CONFIGS
 from .bench_workloads import GPT_CONFIGS, BenchConfig
 
 SUITE_METHODS = {
-    "gpt": ("eager", "compile", "reduce_overhead", "manual_graph", "graphstep", "graphstep_compiled"),
+    "gpt": (
+        "eager",
+        "compile",
+        "reduce_overhead",
+        "compiled_step",
+        "compiled_step_ro",
+        "manual_graph",
+        "graphstep",
+        "graphstep_compiled",
+    ),
     # No hand-written graph here: it would bake the schedulers' learning rates and momentum in.
     "models": ("eager", "compile", "reduce_overhead", "graphstep", "graphstep_compiled"),
 }
