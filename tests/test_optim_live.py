@@ -299,7 +299,7 @@ def test_schedules_follow_live_hyperparameters_equal_to_eager(capturable_cpu, na
     segment = (name, impl) in _LR_BAKED | _EAGER_ONLY or (
         schedule == "OneCycleLR" and (name, impl) in _MOMENTUM_BAKED
     )
-    assert bool(step._ctx.eager_optimizers) == segment, "the optimizer runs where the table says"
+    assert bool(step._ctx.modes.eager) == segment, "the optimizer runs where the table says"
 
 
 def test_the_hf_warmup_is_equal_whichever_was_made_first(capturable_cpu):
