@@ -88,6 +88,26 @@ def test_inputs_are_copied_into_static_buffers():
         assert torch.equal(step(x), x + 1)
 
 
+def test_one_tensor_passed_twice_shares_a_buffer_and_a_distinct_pair_gets_its_own_graph():
+    """`step(ids, ids)` (transformers' input_ids and labels): in eager both names are one tensor, so
+    a write through one shows in the other; a graph must read them from one buffer, and a later call
+    with two tensors must not replay that graph (it would copy both into the one buffer)."""
+
+    def fn(a, b):
+        a.mul_(2)  # visible through b when they are one tensor
+        return a + b
+
+    step = graphstep.capture(fn, config=graphstep.Config(backend="recording", warmup_steps=1))
+    for value in range(4):
+        x, twin = torch.full((3,), float(value)), torch.full((3,), float(value))
+        assert torch.equal(step(x, x), fn(twin, twin)), value
+    for value in range(3):
+        x, y = torch.full((3,), float(value)), torch.full((3,), 1.0)
+        assert torch.equal(step(x, y), fn(x.clone(), y.clone())), value
+    assert step.stats.captures == 2, step.stats
+    assert "the same tensor as args[0]" in graphstep.signature.Signature.of((x, x), {})[0].describe()
+
+
 def test_passing_the_static_buffers_copies_nothing():
     step = graphstep.capture(lambda x: x * 2, config=graphstep.Config(backend="recording", warmup_steps=1))
     (buffer,), _ = step.input_buffers(torch.zeros(3))

@@ -117,13 +117,18 @@ class Signature:
     Hashable and compared by value; the hash is computed once (a signature is looked up every call).
     """
 
-    __slots__ = ("_hash", "spec", "tensors")
+    __slots__ = ("_hash", "aliases", "spec", "tensors")
 
-    def __init__(self, spec: Any, tensors: tuple[TensorMeta, ...]):
+    def __init__(self, spec: Any, tensors: tuple[TensorMeta, ...], aliases: tuple[int, ...] | None = None):
         self.spec = spec
         self.tensors = tensors
+        self.aliases = aliases
+        """None when every tensor leaf is its own object; else, per leaf, the index of the first leaf
+        that is the same tensor (`step(ids, labels=ids)`). Two calls that alias differently get
+        different graphs: a graph reads an aliased pair from one buffer, and a compiled model guards
+        on the aliasing too (it would compile again inside the capture)."""
         try:
-            self._hash = hash((spec, tensors))
+            self._hash = hash((spec, tensors, aliases))
         except TypeError:
             raise UnsupportedInputError(_unhashable_message(spec)) from None
 
@@ -133,7 +138,12 @@ class Signature:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Signature):
             return NotImplemented
-        return self._hash == other._hash and self.tensors == other.tensors and self.spec == other.spec
+        return (
+            self._hash == other._hash
+            and self.tensors == other.tensors
+            and self.aliases == other.aliases
+            and self.spec == other.spec
+        )
 
     def __repr__(self) -> str:
         return f"Signature({self.describe()})"
@@ -145,15 +155,26 @@ class Signature:
             spec = _FLAT_SPECS.get(len(leaves)) or _FLAT_SPECS.setdefault(len(leaves), flatten((args, {}))[1])
         else:
             leaves, spec = flatten((args, kwargs))
-        return cls(spec, tuple(map(TensorMeta.of, leaves))), leaves
+        aliases = None
+        if len(leaves) > 1 and len(set(map(id, leaves))) != len(leaves):
+            first: dict[int, int] = {}
+            aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(leaves))
+        return cls(spec, tuple(map(TensorMeta.of, leaves)), aliases), leaves
 
     def describe(self) -> str:
         """One line per leaf: `x: bfloat16[8, 64] on cuda:0`, `n: int 4`."""
         metas = iter(self.tensors)
+        paths_of_leaves: list[str] = []
         parts = []
         for path, leaf in argument_paths(self.spec):
             if is_tensor_leaf(leaf):
-                parts.append(f"{path}: {next(metas)}")
+                i = len(paths_of_leaves)
+                paths_of_leaves.append(path)
+                same = self.aliases[i] if self.aliases is not None and self.aliases[i] != i else None
+                parts.append(
+                    f"{path}: {next(metas)}"
+                    + (f" (the same tensor as {paths_of_leaves[same]})" if same is not None else "")
+                )
             else:
                 parts.append(f"{path}: {type(value_of(leaf)).__name__} {value_of(leaf)!r}")
         return ", ".join(parts) or "(no arguments)"

@@ -29,7 +29,13 @@ class InputBuffers:
     def like(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The buffers for tensors like `leaves`, made the first time."""
         if self.tensors is None:
-            self.tensors = [self.backend.new_buffer(t) for t in leaves]
+            # One buffer per tensor object: leaves that are the same tensor (the signature keeps
+            # such calls apart) share one, as they share memory in eager.
+            made: dict[int, torch.Tensor] = {}
+            for t in leaves:
+                if id(t) not in made:
+                    made[id(t)] = self.backend.new_buffer(t)
+            self.tensors = [made[id(t)] for t in leaves]
             for buffer, t in zip(self.tensors, leaves):
                 buffer.requires_grad_(t.requires_grad and t.is_leaf)
             self.host_staged = any(b.is_pinned() for b in self.tensors)

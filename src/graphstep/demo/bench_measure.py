@@ -304,6 +304,20 @@ def compiled_step(workload: Workload, mode: str) -> tuple[StepFn, Callable[[], N
     in `mode`. Compiled autograd is a process-wide switch: on until the returned close()."""
     import torch._dynamo.config as dynamo_config
 
+    from graphstep.optim.live import LIVE
+
+    opt = workload.optimizer
+    if opt in LIVE:  # the gpt suite's optimizer, made capturable (lr a device tensor) for every method
+        # Make the live tensors now, eagerly: made inside a cudagraph-tree region they would be its
+        # outputs, overwritten by the next run. Then drop graphstep's step pre-hook, which copies
+        # assigned numbers into them (nothing assigns any here: no scheduler): its Python would break
+        # the compiled graph in two, and this anchor should be torch.compile at its best.
+        graphstep.optim.make_capturable(opt).before_call()
+        hooks = opt._optimizer_step_pre_hooks  # private; 2.0-2.13
+        for key in [
+            k for k, hook in hooks.items() if getattr(hook, "__module__", "") == "graphstep.optim.live"
+        ]:
+            del hooks[key]
     before = dynamo_config.compiled_autograd
     dynamo_config.compiled_autograd = True
     inner = torch.compile(workload.make_step(workload.model), mode=mode)
