@@ -7,7 +7,8 @@ CosineAnnealingLR, LambdaLR warm-up} x {"32-true", "bf16-mixed", "16-mixed"}, pl
 under "16-mixed" (the optimizers that unscale themselves) and a few `accumulate_grad_batches > 1` rows.
 Every combination trains a small MLP classifier twice in one process, in deterministic mode: plain
 Lightning whose optimizer is prepared with `graphstep.optim.make_capturable` (the settings graphstep
-gives a captured one), then the same with `GraphStepCallback`; gradient clipping on, the schedule
+gives a captured one), then the same with `GraphStepCallback`; gradient clipping on (off for the fused
+optimizers under "16-mixed", which Lightning refuses to clip), the schedule
 stepped every step, `self.log` in `training_step`. A row is "equal" when every step's loss, every
 logged value, the step count and every parameter are bitwise equal (`torch.equal`), else "differs";
 "error" when the graphstep run raised (its type, message and how many warm-ups and captures it had
@@ -135,6 +136,12 @@ class _Record(pl.Callback):
         return (self.end - self.start) / steps * 1e3
 
 
+def clips(case: tuple[str, str, str, int]) -> bool:
+    """Gradient clipping is on, except for a fused optimizer under "16-mixed": it unscales inside its
+    step, after Lightning would clip, and Lightning refuses that combination itself."""
+    return not ("fused" in case[0] and case[2] == "16-mixed")
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -154,7 +161,7 @@ def fit(case: tuple[str, str, str, int], steps: int, callbacks: list, accelerato
         accelerator=accelerator,
         devices=1,
         precision=precision,
-        gradient_clip_val=1.0,
+        gradient_clip_val=1.0 if clips(case) else None,
         accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
@@ -212,6 +219,7 @@ def run_case(case: tuple[str, str, str, int], steps: int, *, cpu: bool = False) 
     optimizer, schedule, precision, accumulate = case
     row: dict = {"optimizer": optimizer, "schedule": schedule, "precision": precision}
     row["accumulate_grad_batches"] = accumulate
+    row["gradient_clip_val"] = 1.0 if clips(case) else None
     with deterministic():
         try:
             plain = fit(case, steps, [], accelerator)
@@ -227,6 +235,10 @@ def run_case(case: tuple[str, str, str, int], steps: int, *, cpu: bool = False) 
             row |= {"result": "error", "error_type": type(exc).__name__, "error": str(exc)[:1200]}
             row["at"] = {"warmups": stats.warmup_calls, "captures": stats.captures} if stats else None
             row["where"] = traceback.format_exception(exc)[-1][:300]
+            if "scaler.step" in str(exc):  # GradScaler.step reads found_inf on the host (non-fused)
+                row["blocked_by"] = (
+                    "GradScaler.step host sync (an automatic eager segment for it is in progress)"
+                )
             return row
     found = differences(plain, graphed)
     s = callback.stats
@@ -245,15 +257,15 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"{meta['config']}",
         "",
-        "| optimizer | schedule | precision | accumulate | result | plain ms | graphstep ms | speed-up | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| optimizer | schedule | precision | accumulate | clip | result | plain ms | graphstep ms | speed-up | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         note = r.get("error_type", "") + (": " + r["error"].splitlines()[0][:160] if "error" in r else "")
         note += "; ".join(r.get("differences", []))[:160]
         lines.append(
             f"| {r['optimizer']} | {r['schedule']} | {r['precision']} | {r['accumulate_grad_batches']} | "
-            f"{r['result']} | {r.get('plain_ms', '')} | {r.get('graphstep_ms', '')} | {r.get('speedup', '')} | "
+            f"{r.get('gradient_clip_val') or 'off'} | {r['result']} | {r.get('plain_ms', '')} | {r.get('graphstep_ms', '')} | {r.get('speedup', '')} | "
             f"{note.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"

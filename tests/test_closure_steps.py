@@ -126,3 +126,43 @@ def test_lbfgs_is_refused_saying_it_calls_the_closure_several_times():
     x, y = batches(1)[0]
     with pytest.raises(UnsupportedOptimizerError, match="calls a closure several times"):
         step(x, y)
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_a_fused_optimizer_stepped_by_grad_scaler_gets_its_scale_at_every_replay(name):
+    """GradScaler.step sets `grad_scale` and `found_inf` on a fused optimizer for the one step() call;
+    the segment that replays the update must set them again, or replays would not unscale."""
+
+    def make_opt(params):
+        cls = getattr(torch.optim, name)
+        return (
+            cls(params, lr=1e-2, momentum=0.9, fused=True)
+            if name == "SGD"
+            else cls(params, lr=1e-2, fused=True)
+        )
+
+    (m_e, o_e), (m_g, o_g) = twins(make_opt)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+
+    def scaled_step(model, opt, scaler):
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    eager = scaled_step(m_e, o_e, scalers[0])
+    step = graphstep.capture(
+        scaled_step(m_g, o_g, scalers[1]), model=m_g, optimizer=o_g, config=recording(optimizer_mode="eager")
+    )
+    for i, (x, y) in enumerate(batches(STEPS)):
+        torch.manual_seed(i)
+        want = eager(x, y)
+        torch.manual_seed(i)
+        assert torch.equal(want, step(x, y)), f"step {i}"
+    assert same_params(m_e, m_g) and step.stats.replays == STEPS - 3
+    assert not any(hasattr(o_g, key) for key in ("grad_scale", "found_inf"))  # gone after each step

@@ -232,7 +232,7 @@ def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iter
     it again is stopped with a `CaptureError` (see `_OneEvaluation`)."""
     for opt in optimizers:
         step = opt.step
-        opt.step = functools.partial(_segment_step, step, f"{type(opt).__qualname__}.step")
+        opt.step = functools.partial(_segment_step, opt, step, f"{type(opt).__qualname__}.step")
     try:
         yield
     finally:
@@ -240,27 +240,52 @@ def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iter
             opt.__dict__.pop("step", None)
 
 
-def _segment_step(step: Callable, name: str, closure: Callable | None = None, **kwargs: Any) -> Any:
-    # kwargs: what GradScaler passes a fused optimizer that unscales itself (grad_scale, found_inf).
-    if closure is None:
-        return run(step, (), kwargs, name, returns_none=True)
-    session = _active()
-    if not isinstance(session, _Capture):  # warm-up: the real step, eagerly, as torch runs it
+_AMP_ATTRIBUTES = ("grad_scale", "found_inf")
+"""What GradScaler.step sets on a fused optimizer for the one step() call (and deletes after it)."""
+
+
+def _segment_step(
+    opt: torch.optim.Optimizer, step: Callable, name: str, closure: Callable | None = None, **kwargs: Any
+) -> Any:
+    if not isinstance(_active(), _Capture):  # warm-up: the real step, eagerly, as torch runs it
+        if closure is None:
+            return step(**kwargs)
         evaluation = _OneEvaluation(name, closure, again=True)
         result = step(evaluation, **kwargs)
         evaluation.check_called()  # after the step: a failed check leaves what eager leaves
         return result
-    with torch.enable_grad():  # as torch's step calls it
-        loss = closure()
-    run(_update, (step, name, loss, kwargs), {}, name, returns_none=True)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():  # as torch's step calls it
+            loss = closure()
+    # GradScaler hands a fused optimizer its scale and inf flag as attributes for this one call:
+    # a replay runs the segment without GradScaler around it, so the segment sets them itself (the
+    # tensors the graph computes them into).
+    amp = {key: opt.__dict__[key] for key in _AMP_ATTRIBUTES if key in opt.__dict__}
+    run(_update, (opt, step, name, closure is not None, loss, kwargs, amp), {}, name, returns_none=True)
     return loss
 
 
-def _update(step: Callable, name: str, loss: Any, kwargs: dict) -> None:
-    """The segment of a step called with a closure: the update, handed the loss the graph computed."""
-    evaluation = _OneEvaluation(name, lambda: loss)
-    step(evaluation, **kwargs)
-    evaluation.check_called()
+def _update(
+    opt: torch.optim.Optimizer, step: Callable, name: str, closed: bool, loss: Any, kwargs: dict, amp: dict
+) -> None:
+    """The segment of an optimizer step: the update (handed the loss the graph computed, if the step
+    was called with a closure), with GradScaler's attributes as at capture."""
+    before = {key: opt.__dict__[key] for key in amp if key in opt.__dict__}
+    opt.__dict__.update(amp)
+    try:
+        if not closed:
+            step(**kwargs)
+            return
+        evaluation = _OneEvaluation(name, lambda: loss)
+        step(evaluation, **kwargs)
+        evaluation.check_called()
+    finally:
+        for key in amp:
+            if key in before:
+                opt.__dict__[key] = before[key]
+            else:
+                opt.__dict__.pop(key, None)
 
 
 class _OneEvaluation:
