@@ -257,11 +257,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"{meta['config']}",
         "",
+        "Result: "
+        + ", ".join(f"{sum(r['result'] == k for r in rows)} {k}" for k in ("equal", "differs", "error"))
+        + " (error: a GraphStepError at the first capture; plain ms / graphstep ms: per optimizer step).",
+        "",
         "| optimizer | schedule | precision | accumulate | clip | result | plain ms | graphstep ms | speed-up | note |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        note = r.get("error_type", "") + (": " + r["error"].splitlines()[0][:160] if "error" in r else "")
+        note = r.get("blocked_by") or (
+            r.get("error_type", "") + ": " + r["error"][:160] if "error" in r else ""
+        )
         note += "; ".join(r.get("differences", []))[:160]
         lines.append(
             f"| {r['optimizer']} | {r['schedule']} | {r['precision']} | {r['accumulate_grad_batches']} | "
