@@ -8,7 +8,9 @@ graphs of a step live in its one memory pool; tensors passed from one part to th
 the addresses they had at capture.
 
 A segment is any function called through `run` (the public face is `graphstep.eager_segment`);
-an optimizer in eager mode gets its `step` routed through it during capture. Outside a capture
+an optimizer in eager mode gets its `step` routed through it during capture. A step called with a
+closure (`opt.step(closure)`, as Lightning calls it) keeps the closure in the graph and makes only
+the update the segment (`optimizer_steps_as_segments`). Outside a capture
 (warm-up, eager backend) `run` simply calls the function. During a capture:
 
 - the function is not run (a CUDA capture executes nothing): the segment is recorded with its
