@@ -176,6 +176,14 @@ def test_gradient_accumulation_trains_like_plain_lightning(accumulate, recipe):
     assert s.warmup_calls + s.captures + s.replays == STEPS * accumulate, s
 
 
+def test_gradient_accumulation_on_the_eager_backend_trains_like_plain_lightning():
+    options = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+    plain_module, captured_module = Net(recipe="sgd-one-cycle"), Net(recipe="sgd-one-cycle")
+    plain = fit(plain_module, [], **options)
+    captured = fit(captured_module, [GraphStepCallback(config=graphstep.Config(backend="eager"))], **options)
+    assert_same_runs(plain, captured, plain_module, captured_module, batches=STEPS * 2)
+
+
 def test_scheduler_step_inside_a_manual_training_step_is_refused():
     with pytest.raises(GraphStepError, match="on_train_batch_end"):
         fit(Net(manual=True, scheduler_inside=True), [GraphStepCallback()])
