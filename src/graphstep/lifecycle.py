@@ -32,6 +32,7 @@ from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
 from .diagnostics import capture_error, log, stale_message
 from .distributed.ranks import Agreement, Phase
+from .effects import host_random
 from .errors import GraphStepError, StaleGraphError
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard, trainable
@@ -334,6 +335,8 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
 
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
+            # Host random draws are refused, the generators put back (eager segments may draw).
+            host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k) as splitter,
             segments.capturing(splitter, params, segment_results) as session,
             segments.optimizer_steps_as_segments(ctx.eager_optimizers),
         ):
