@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -316,3 +317,20 @@ def test_explain_reports_host_draws_before_any_capture_and_puts_the_generators_b
 
     clean = graphstep.capture(augment_on_device(model, opt), model=model, optimizer=opt, config=RECORDING)
     assert not any("host random" in h for h in graphstep.explain(clean, *data(1)[0]).hazards)
+
+
+def test_a_librarys_private_random_instance_is_its_own_business_but_one_the_user_calls_is_not():
+    import tempfile
+
+    with HostRandomWatch("step", "cpu") as watch:
+        next(tempfile._get_candidate_names())  # tempfile's own random.Random names files
+    assert watch.draws == []
+
+    holder = types.SimpleNamespace(rng=random.Random(0))  # reached through an attribute only
+    before = holder.rng.getstate()
+    with (
+        pytest.raises(HostRandomError, match=r"holder\.rng\.uniform\(0, 1\)"),
+        HostRandomWatch("step", "cpu"),
+    ):
+        holder.rng.uniform(0, 1)
+    assert holder.rng.getstate() == before

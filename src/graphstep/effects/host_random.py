@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from ..backends.segments import Splitter
 from ..diagnostics import host_sync_ops
 from ..errors import HostRandomError
+from ..guards.reads import is_user_file
 from . import draw_advice
 from .draw_advice import Draw
 
@@ -205,7 +206,7 @@ class HostRandomWatch:
         if event == "c_call":
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
-                if arg.__name__ in _PYTHON_DRAWS and not isinstance(owner, random.SystemRandom):
+                if arg.__name__ in _PYTHON_DRAWS and self._users_generator(owner, frame):
                     tracked = self._track(owner, _kind(owner, "where Python drew"))
                     self._note(tracked.label, frame)
             elif _draws(arg.__name__) and _is_torch(arg, owner):
@@ -217,6 +218,17 @@ class HostRandomWatch:
                 if now != before:
                     tracked.mark = now
                     self._note(tracked.label, caller)
+
+    def _users_generator(self, owner: random.Random, frame: types.FrameType) -> bool:
+        """A draw from the global `random`, from an instance the step holds, or from one the
+        user's code calls; not a library's private instance (`tempfile`'s names)."""
+        if isinstance(owner, random.SystemRandom):  # the OS's entropy: no state to freeze
+            return False
+        if owner is random._inst or id(owner) in self._tracked:
+            return True
+        while frame is not None and frame.f_code.co_filename == random.__file__:
+            frame = frame.f_back
+        return frame is not None and is_user_file(frame.f_code.co_filename)
 
     def _torch_marks(self, frame: types.FrameType) -> list[tuple[_Tracked, Any]]:
         """The host torch generators a torch call from `frame` may draw from, with their states."""
