@@ -130,6 +130,7 @@ class HostRandomWatch:
         for namespace, name, original in reversed(self._patched):
             namespace[name] = original
         self._patched.clear()
+        self._pending.clear()
         if self._profiling:
             sys.setprofile(self._previous)
             self._profiling = False
@@ -348,7 +349,7 @@ class _CoinWatch(TorchDispatchMode):
             if watch.refuse:
                 raise watch.error()
         out = func(*args, **kwargs)
-        if coin is not None or torch.Tag.nondeterministic_seeded in func.tags:
+        if coin is not None or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             small = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() <= 1]
             if small:  # where it was drawn, taken now: the frame moves on
                 draw = coin[1] if coin is not None else draw_advice.draw_at(_COIN, sys._getframe(1), "branch")
