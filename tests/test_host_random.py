@@ -29,11 +29,11 @@ RECORDING = graphstep.Config(backend="recording")
 class LayerDropNet(nn.Module):
     """Layers skipped at random, as transformers' LayerDrop does (on the host) or on the device."""
 
-    def __init__(self, on_device: bool) -> None:
+    def __init__(self, on_device: bool, layerdrop: float = 0.3) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
         self.head = nn.Linear(8, 1)
-        self.layerdrop = 0.3
+        self.layerdrop = layerdrop
         self.on_device = on_device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 8)
@@ -41,7 +41,7 @@ class LayerDropNet(nn.Module):
             if self.on_device:
                 keep = torch.rand((), device=x.device) >= self.layerdrop
                 x = torch.where(keep, layer(x), x)
-            else:
+            else:  # as older transformers do: a draw per layer, even with LayerDrop at 0
                 dropout_probability = torch.rand([])
                 if dropout_probability < self.layerdrop:
                     continue
@@ -49,9 +49,9 @@ class LayerDropNet(nn.Module):
         return self.head(x)
 
 
-def net(on_device: bool = True) -> nn.Module:
+def net(on_device: bool = True, layerdrop: float = 0.3) -> nn.Module:
     torch.manual_seed(0)
-    return LayerDropNet(on_device)
+    return LayerDropNet(on_device, layerdrop)
 
 
 def data(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -67,8 +67,8 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     return loss
 
 
-def twins(on_device: bool = True):
-    model = net(on_device)
+def twins(on_device: bool = True, layerdrop: float = 0.3):
+    model = net(on_device, layerdrop)
     twin = copy.deepcopy(model)
     return (model, torch.optim.SGD(model.parameters(), lr=0.05)), (
         twin,
@@ -114,14 +114,15 @@ def equal_to_eager(make_step, eager_pair, graph_pair, arguments=lambda i: ()) ->
     for i, (x, y) in enumerate(batches):
         eager_fn(x, y, *arguments(i))
         eager.append([p.detach().clone() for p in model.parameters()])
+    eager_rng = torch.get_rng_state()
     torch.manual_seed(7)
     step = graphstep.capture(make_step(twin, twin_opt), model=twin, optimizer=twin_opt, config=RECORDING)
     for i, (x, y) in enumerate(batches):
         step(x, y, *arguments(i))
         assert all(torch.equal(a, b) for a, b in zip(eager[i], twin.parameters())), f"differs at call {i}"
-    assert (
-        step.stats.captures == 1 and step.stats.replays == STEPS - 4
-    )  # the capturing call performs its step
+    # The capturing call performs its step; the generator advanced as in eager.
+    assert step.stats.captures == 1 and step.stats.replays == STEPS - 4
+    assert torch.equal(torch.get_rng_state(), eager_rng)
 
 
 # -- LayerDrop: a coin drawn with torch.rand([]) and tested in Python -------------------------------
@@ -140,6 +141,47 @@ def test_layerdrop_style_host_coin_is_refused_with_its_line_and_the_layerdrop_fi
 
 def test_layerdrop_on_the_device_with_torch_where_equals_eager():
     equal_to_eager(lambda m, o: lambda x, y: train(m, o, x, y), *twins(on_device=True))
+
+
+def test_on_cuda_layerdrop_at_zero_is_redrawn_after_each_replay_and_above_zero_refused():
+    """The CUDA backend's view, on a CPU: the draws of a LayerDrop at 0 are not refused; they are
+    taken back at capture (the graph does not execute) and made again after each replay, so
+    torch's CPU generator advances exactly as in eager."""
+    x = torch.randn(2, 8)
+    model = net(on_device=False, layerdrop=0.0)
+    torch.manual_seed(0)
+    model(x)
+    eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with HostRandomWatch("step", "cuda", executes=False) as watch:
+        model(x)
+    assert watch.draws == [] and len(watch.redone_draws()) == 3  # one per layer
+    assert torch.equal(torch.get_rng_state(), before)
+    for draw in watch.redone_draws():  # what PartsRecording.replay does after the graph
+        draw()
+    assert torch.equal(torch.get_rng_state(), eager)
+
+    model.layerdrop = 0.3
+    before = torch.get_rng_state()
+    with (
+        pytest.raises(HostRandomError, match=r"LayerDropNet\.layerdrop=0\.3") as info,
+        HostRandomWatch("step", "cuda"),
+    ):
+        model(x)
+    assert "dropout_probability = torch.rand([])" in str(info.value)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_recording_redoes_its_host_draws_after_every_replay():
+    from graphstep.backends.base import PartsRecording
+
+    ran = []
+    recording = PartsRecording([lambda: ran.append("graph")], lambda: None)
+    recording.host_draws = [lambda: ran.append("draw")]
+    recording.replay((), {})
+    recording.replay((), {})
+    assert ran == ["graph", "draw", "graph", "draw"]
 
 
 def test_a_cpu_draw_is_a_host_draw_when_the_graph_runs_on_cuda():

@@ -94,6 +94,17 @@ def draw_at(generator: str, frame: types.FrameType | None, pattern: str | None) 
     return Draw(generator, _site(user), None if inner is user else _site(inner), pattern, detail)
 
 
+def layerdrop_off(frame: types.FrameType | None) -> str:
+    """`Class.layerdrop=0` when `frame` runs a module whose LayerDrop is off, else "". Older
+    transformers draw `torch.rand([])` per layer in training even then: the value decides nothing
+    (`p < 0` never holds), only the generator's advance matters."""
+    owner = frame.f_locals.get("self") if frame is not None else None
+    rate = getattr(owner, "layerdrop", None)
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate == 0:
+        return f"{type(owner).__qualname__}.layerdrop=0"
+    return ""
+
+
 def _decides_a_branch(frame: types.FrameType) -> bool:
     """The drawing line is an `if` (or a conditional expression), or assigns a name that one of
     the next three lines tests: `p = torch.rand([])` then `if p < rate:`."""
@@ -121,7 +132,7 @@ _FIXES = {
         "draw the number outside the step and pass it in as a 0-d tensor on the device, e.g. "
         "`lam = torch.tensor(np.random.beta(0.4, 0.4), device=x.device)` then `train_step(x, y, lam)` "
         "(copied in on every call, no new graph); or draw it on the device inside the step "
-        "(`torch.rand((), device=x.device)`, or `torch.distributions.Beta` of device tensors)"
+        "(`torch.rand((), device=x.device)`)"
     ),
     "layerdrop": (
         "transformers' LayerDrop ({detail}) skips layers by a number drawn on the CPU and tested in "

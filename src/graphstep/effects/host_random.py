@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from ..backends.segments import Splitter
-from ..diagnostics import host_sync_ops
+from ..diagnostics import host_sync_ops, log
 from ..errors import HostRandomError
 from ..guards.reads import is_user_file
 from . import draw_advice
@@ -75,6 +75,8 @@ class HostRandomWatch:
     arguments, closure, globals); the generators among them are watched too. `refuse`: raise a
     `HostRandomError` when the call ends with draws (a capture), or only note them (explain).
     `restore`: put every watched generator back afterwards even without an error (a dry run).
+    `executes`: the capture performs the step (recording): its own draws stand; otherwise (CUDA)
+    the replay that follows makes them, so draws to redo are taken back first.
     """
 
     def __init__(
@@ -85,11 +87,15 @@ class HostRandomWatch:
         *,
         refuse: bool = True,
         restore: bool = False,
+        executes: bool = True,
     ):
         self.name = name
         self.graph_device = graph_device
         self.refuse = refuse
         self.restore = restore
+        self.executes = executes
+        self._redo: list[_Tracked] = []
+        """One entry per draw whose value the step ignores, to redo after each replay."""
         self.draws: list[Draw] = []
         self._reach = list(reach)
         self._tracked: dict[int, _Tracked] = {}
@@ -138,6 +144,9 @@ class HostRandomWatch:
         failed = exc_type is not None or (self.refuse and self.draws)
         if failed or self.restore:
             for tracked in self._tracked.values():
+                tracked.put_back()
+        elif self._redo and not self.executes:
+            for tracked in {id(t): t for t in self._redo}.values():
                 tracked.put_back()
         if exc_type is None and self.refuse and self.draws:
             raise self.error()
@@ -218,7 +227,36 @@ class HostRandomWatch:
                 now = tracked.fingerprint()
                 if now != before:
                     tracked.mark = now
-                    self._note(tracked.label, caller)
+                    if self._ignored(caller, tracked, before, now):
+                        self._redo.append(tracked)
+                    else:
+                        self._note(tracked.label, caller)
+
+    def _ignored(self, caller: types.FrameType, tracked: _Tracked, before: bytes, now: bytes) -> bool:
+        """A draw whose value decides nothing (transformers' LayerDrop at 0) and that one
+        `torch.rand([])` reproduces: redone after each replay instead of refused. Not on the
+        recording backend, whose replay draws from CPU generators itself."""
+        if self.graph_device != "cuda" or not draw_advice.layerdrop_off(caller):
+            return False
+        generator = tracked.obj
+        state = generator.get_state()
+        generator.set_state(torch.frombuffer(bytearray(before), dtype=torch.uint8))
+        torch.rand([], generator=generator)
+        reproduced = _frozen(generator.get_state()) == now
+        generator.set_state(state)
+        if reproduced and not self._redo:
+            log.info(
+                "graphstep: %s: %s draws torch.rand([]) on the CPU per layer although LayerDrop is off "
+                "(older transformers); the value decides nothing, so each replay draws it again and "
+                "the generator advances as in eager.",
+                self.name,
+                draw_advice.layerdrop_off(caller),
+            )
+        return reproduced
+
+    def redone_draws(self) -> list[Callable[[], None]]:
+        """What a replay must do after the graph: the draws whose values the step ignores."""
+        return [functools.partial(_draw_one, t.obj) for t in self._redo]
 
     def _users_generator(self, owner: random.Random, frame: types.FrameType) -> bool:
         """A draw from the global `random`, from an instance the step holds, or from one the
@@ -311,6 +349,10 @@ def _frozen(state: Any) -> Any:
     return state
 
 
+def _draw_one(generator: torch.Generator) -> None:
+    torch.rand([], generator=generator)
+
+
 def _kind(obj: Any, where: str) -> str:
     """A generator's label in messages: what it is, and where the step holds it."""
     if isinstance(obj, torch.Generator):
@@ -373,13 +415,15 @@ def reach_of(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
 
 @contextlib.contextmanager
 def refusing(
-    name: str, backend: Any, fn: Callable, splitter: Splitter, args: tuple, kwargs: dict
+    name: str, backend: Any, fn: Callable, splitter: Splitter, args: tuple, kwargs: dict, captured: dict
 ) -> Iterator[Splitter]:
     """Around the capturing call: refuse host draws. Yields the splitter to capture with (the
-    watch pauses in eager segments). The eager backend runs the step's Python on every call: no watch."""
+    watch pauses in eager segments); on success `captured["host_draws"]` holds what each replay
+    must redraw. The eager backend runs the step's Python on every call: no watch."""
     if not backend.static_buffers:
         yield splitter
         return
     device = "cuda" if backend.cuda_devices else "cpu"
-    with HostRandomWatch(name, device, reach_of(fn, args, kwargs)) as watch:
+    with HostRandomWatch(name, device, reach_of(fn, args, kwargs), executes=splitter.executes) as watch:
         yield watch.pausing(splitter)
+    captured["host_draws"] = watch.redone_draws()
