@@ -3,10 +3,11 @@
 Runs the step once eagerly as a dry run (its writes, grads, optimizer state and RNG are taken
 back afterwards) and reports: which inputs are copied into static buffers and which Python
 values become part of the graph's key, which state the guards will watch, and the hazards it
-finds: host syncs and host random draws (with the user's line), CPU tensors next to GPU ones, module hooks (they run
-only at capture), optimizers that are not capturable, numbers in the key that may change,
-objects the step's code reads whose contents no guard watches (a dict or a plain object of
-settings), and Python state the step itself writes (a replay does not write it).
+finds: host syncs and random draws on the host (with the user's line), CPU tensors next to GPU
+ones, module hooks (they run only at capture), optimizers that are not capturable, numbers in
+the key that may change, objects the step's code reads whose contents no guard watches (a dict
+or a plain object of settings), and Python state the step itself writes (a replay does not
+write it).
 """
 
 from __future__ import annotations
