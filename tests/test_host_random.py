@@ -376,3 +376,23 @@ def test_a_librarys_private_random_instance_is_its_own_business_but_one_the_user
     ):
         holder.rng.uniform(0, 1)
     assert holder.rng.getstate() == before
+
+
+def test_a_numpy_generator_the_step_holds_is_caught_by_its_state_and_put_back():
+    """NumPy `Generator` methods are invisible to a profiler: the state comparison at the end of
+    the call catches the draw (without a line) and the generator is put back."""
+    (model, opt), _ = twins()
+    rng = np.random.default_rng(0)
+
+    def step(x, y):
+        return train(model, opt, x * float(rng.uniform(0.9, 1.1)), y)
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=RECORDING)
+    for x, y in data(3):
+        captured(x, y)
+    before = rng.bit_generator.state
+    with pytest.raises(
+        HostRandomError, match=r"numpy\.random\._generator\.Generator \(closure variable 'rng'\)"
+    ):
+        captured(*data(4)[3])
+    assert rng.bit_generator.state == before
