@@ -33,6 +33,7 @@ from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
 from .diagnostics import capture_error, eager_fallback_message, log, stale_message
 from .distributed.ranks import Agreement, Phase
+from .effects import host_random
 from .errors import GraphStepError, StaleGraphError
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard, trainable
@@ -376,6 +377,8 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
 
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
+            # Host random draws are refused, the generators put back (eager segments may draw).
+            host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
             segments.capturing(splitter, params, segment_results) as session,
             segments.optimizer_steps_as_segments(ctx.modes.eager),
         ):
@@ -406,6 +409,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     if isinstance(recording, PartsRecording):
         recording.segments = captured["segments"]
         recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
+        recording.host_draws = captured.get("host_draws", [])
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     guard = None
     if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
