@@ -55,7 +55,7 @@ FLAGS = {
     "foreach": dict(foreach=True),
     "forloop": dict(foreach=False),
     "fused": dict(fused=True),
-    "default": {},  # neither flag: on CUDA graphstep runs Adam/AdamW fused (its choice), torch foreach
+    "default": {},  # neither flag: on CUDA graphstep runs SGD/Adam/AdamW fused (its choice), torch foreach
 }
 VOCAB, SEQ, BATCH, WIDTH = 128, 16, 8, 32
 
@@ -151,7 +151,7 @@ def main() -> None:
         for name in args.optimizers.split(","):
             fused = name in ("SGD", "Adam", "AdamW") or (name == "Adagrad" and args.device == "cpu")
             impls = ["foreach", "forloop"] + (["fused"] if fused else [])
-            impls += ["default"] if name in ("Adam", "AdamW") else []
+            impls += ["default"] if name in ("SGD", "Adam", "AdamW") else []
             for schedule in SCHEDULES:
                 default = {i: train(name, i, schedule, False, args.steps, args.device) for i in impls}
                 yardstick = rel_diff(default["forloop"][0], default["foreach"][0])
@@ -225,7 +225,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "optimizer as constructed. Yardsticks, both between default runs: `foreach vs for-loop` (torch's two",
         "implementations) and `lr +1 ulp` (the foreach run with lr * (1 + 2^-23): float32 rounding noise",
         "carried through N steps). NaN: capturable for-loop Adam/AdamW at lr exactly 0 (pytorch#126514).",
-        "impl `default`: constructed with neither foreach nor fused; graphstep runs Adam/AdamW fused there on",
+        "impl `default`: constructed with neither foreach nor fused; graphstep runs SGD/Adam/AdamW fused there on",
         "CUDA (its choice; on the CPU it keeps torch's choice), torch's default is foreach. `torch fused vs",
         "default`: torch's fused=True against its default, both as constructed (what fused moves by itself).",
         "",

@@ -164,11 +164,13 @@ def test_plan_per_optimizer(make, device, capturable, tensor_lr):
         (lambda: optim.Adam(P, fused=False), False),
         (lambda: optim.Adam(P, differentiable=True), False),
         (lambda: optim.NAdam(P), False),  # no fused kernel
-        (lambda: optim.SGD(P, momentum=0.9), False),
+        (lambda: optim.SGD(P, momentum=0.9), True),
+        (lambda: optim.SGD(P, momentum=0.9, foreach=True), False),
+        (lambda: optim.RMSprop(P), False),
         (lambda: OwnStepAdam(P), False),  # its own step() may not take fused=True
     ],
 )
-def test_adam_runs_fused_on_cuda_unless_the_user_chose(make, fused, monkeypatch):
+def test_sgd_adam_adamw_run_fused_on_cuda_unless_the_user_chose(make, fused, monkeypatch):
     """graphstep's implementation choice, decided for a CUDA device (the parameters' own check,
     what torch's fused kernels take, is faked: this machine has no CUDA tensors)."""
     from graphstep.optim import table

@@ -165,7 +165,9 @@ def test_the_table_matches_the_installed_torch(capturable_cpu, name, impl):
 
 def test_the_docs_table_is_the_table():
     docs = Path(__file__).parent.parent / "docs" / "optimizers.md"
-    assert table.table_markdown() in docs.read_text(), "docs/optimizers.md's table differs from optim/table.py"
+    assert table.table_markdown() in docs.read_text(), (
+        "docs/optimizers.md's table differs from optim/table.py"
+    )
 
 
 # -- every optimizer x schedule: equal to the eager twin, one capture ----------------------------------

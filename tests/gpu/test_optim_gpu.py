@@ -40,7 +40,7 @@ OPTIONS = {
 FLAGS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False)}
 FUSED_ON_CUDA = ("SGD", "Adam", "AdamW")  # fused Adagrad is CPU-only
 ROWS = [(n, i) for n in OPTIONS for i in FLAGS if i != "fused" or n in FUSED_ON_CUDA]
-# Constructed with no flags: graphstep runs Adam and AdamW fused (its choice), the others foreach.
+# Constructed with no flags: graphstep runs SGD, Adam and AdamW fused (its choice), the others foreach.
 FLAGS["default"] = {}
 ROWS += [(n, "default") for n in table.FUSED_BY_CHOICE]
 
@@ -131,7 +131,9 @@ def test_optimizer_and_schedule_bitwise_equal_to_eager_with_one_capture(name, im
     eager_opt, graph_opt = make(twin.parameters()), make(model.parameters())
     make_capturable(eager_opt, "cuda")  # before its scheduler; graphstep prepares at its first call
     if impl == "default":
-        assert eager_opt.param_groups[0]["fused"] is True, "graphstep runs default Adam/AdamW fused on CUDA"
+        assert eager_opt.param_groups[0]["fused"] is True, (
+            "graphstep runs default SGD/Adam/AdamW fused on CUDA"
+        )
     step = graphstep.capture(make_step(model, graph_opt), model=model, optimizer=graph_opt)
     in_graph = (name, impl, schedule) not in IN_SEGMENT
     runs = []

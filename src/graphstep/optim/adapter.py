@@ -8,8 +8,8 @@ baked into the kernels, so a hyperparameter torch reads on the device without a 
 a 0-d device tensor (*live*) that a scheduler's change is copied into. Which values stay live, per
 optimizer and implementation, is `table.py`'s data and the table in docs/optimizers.md (a test keeps
 them equal); the rest of the reasoning is written there too. `foreach`/`fused` stay as the user chose,
-with one exception: Adam and AdamW on CUDA whose user chose neither run fused (graphstep's choice,
-logged once; `table.FUSED_BY_CHOICE` says why).
+with one exception: SGD, Adam and AdamW on CUDA whose user chose neither run fused (graphstep's
+choice, logged once; `table.FUSED_BY_CHOICE` says why).
 """
 
 from __future__ import annotations
@@ -249,9 +249,9 @@ def _log_plan(optimizer: Optimizer, group_plans: list[GroupPlan]) -> None:
     numbers_ = table.numbers_of(optimizer)
     if any(p.fuse for p in group_plans):
         log.info(
-            "graphstep: %s: runs fused=True (graphstep's choice on CUDA for Adam/AdamW constructed with "
-            "neither foreach nor fused): its capturable foreach update would cost the GPU more than eager's "
-            "foreach; the fused kernel does not. Pass foreach=True to keep foreach.",
+            "graphstep: %s: runs fused=True (graphstep's choice on CUDA for SGD, Adam and AdamW constructed "
+            "with neither foreach nor fused): its foreach update would cost the GPU more than eager's inside "
+            "a graph, or bake lr; the fused kernel does neither. Pass foreach=True to keep foreach.",
             name,
         )
     for i, p in enumerate(group_plans):

@@ -24,8 +24,8 @@ class GroupPlan:
     capturable: bool
     """Set `capturable=True` (the optimizer has the flag and the device supports it)."""
     fuse: bool
-    """Set `fused=True`: graphstep's choice for Adam/AdamW on CUDA whose user chose neither
-    `foreach` nor `fused` (see `table.fused_by_choice`)."""
+    """Set `fused=True`: graphstep's choice for SGD/Adam/AdamW on CUDA whose user chose neither
+    `foreach` nor `fused` (see `table.FUSED_BY_CHOICE`)."""
     impl: str
     """The implementation its step runs: "fused", "foreach" or "forloop"."""
     live: Mapping[str, tuple[int, ...] | None]

@@ -171,16 +171,20 @@ def _is_number(value: object) -> bool:
 
 HAS_FUSED = ("SGD", "Adam", "AdamW", "Adagrad")
 
-FUSED_BY_CHOICE = ("Adam", "AdamW")
+FUSED_BY_CHOICE = ("SGD", "Adam", "AdamW")
 """Classes graphstep runs fused on CUDA when their user chose neither `foreach` nor `fused`.
 
-torch's default there is foreach, and a captured step needs it capturable: that update keeps the
-step count and the bias corrections as per-parameter 0-d device tensors and divides by them with
-extra foreach kernels (ViT-S/16: 304 more launches and 0.7 ms more GPU time per step than eager's
-non-capturable foreach). The fused kernel reads the step count and lr on the device anyway, in one
-launch per chunk of tensors: the graph costs the GPU no more than eager. An explicit choice
-(`foreach=True`, `foreach=False`, `fused=False`) is kept. SGD is left alone: its fused kernel reads
-momentum as a float, so a momentum schedule (OneCycleLR) would move it to an eager segment anyway.
+torch's default there is foreach. For Adam/AdamW a captured step needs it capturable, and that
+update keeps the step count and the bias corrections as per-parameter 0-d device tensors and divides
+by them with extra foreach kernels (ViT-S/16: 304 more launches and 0.7 ms more GPU time per step
+than eager's non-capturable foreach). The fused kernel reads the step count and lr on the device
+anyway, in one launch per chunk of tensors: the graph costs the GPU no more than eager. SGD's foreach
+update takes lr as a Python number (a schedule moves it to an eager segment) and, with weight
+decay, allocates a copy of every gradient (in an eager segment, outside the graph's pool, where no
+freed activation memory is at hand); its fused kernel reads lr as a device tensor and allocates
+nothing. An explicit choice (`foreach=True`, `foreach=False`, `fused=False`) is kept; so is
+`foreach=True` where gradients are sparse (`nn.Embedding(sparse=True)`), which fused SGD refuses
+(and whose data-dependent sizes no graph can hold anyway).
 """
 
 
