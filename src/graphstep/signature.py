@@ -156,7 +156,8 @@ class Signature:
         else:
             leaves, spec = flatten((args, kwargs))
         aliases = None
-        if len(leaves) > 1 and len(set(map(id, leaves))) != len(leaves):
+        n = len(leaves)
+        if n > 1 and (leaves[0] is leaves[1] if n == 2 else len(set(map(id, leaves))) != n):
             first: dict[int, int] = {}
             aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(leaves))
         return cls(spec, tuple(map(TensorMeta.of, leaves)), aliases), leaves
