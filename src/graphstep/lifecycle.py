@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import signature as sig
-from .backends import segments
+from .backends import library_segments, segments
 from .backends.base import PartsRecording, Recording
 from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
@@ -194,6 +194,7 @@ class Lifecycle:
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
             segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+            library_segments.calls_as_segments(ctx.name, capturing=False),
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
         self.segment_results = watch.seen
@@ -336,6 +337,9 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
         with (
             segments.capturing(splitter, params, segment_results) as session,
             segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+            library_segments.calls_as_segments(
+                ctx.name, capturing=True, log_at_capture=backend.static_buffers
+            ),
         ):
             outputs = ctx.fn(*a, **k)
             # Inside the capture, so that a refused output also undoes what the step did.

@@ -151,13 +151,13 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: boo
         return fn(*args, **kwargs)
     if returns_none:
         if isinstance(session, _Warmup):
-            fn(*args, **kwargs)
+            _plainly(fn, args, kwargs)
         else:
             _split(session, fn, args, kwargs, name, _Seen(name, _NONE_SPEC, []))
         return None
     if isinstance(session, _Warmup):
         with torch.no_grad():
-            results = fn(*args, **kwargs)
+            results = _plainly(fn, args, kwargs)
         tensors, spec = sig.flatten(results)
         _check_results(name, spec)
         session.seen.append(_Seen(name, spec, [sig.TensorMeta.of(t) for t in tensors]))
@@ -177,7 +177,7 @@ def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str
     grads = [(p, p.grad) for p in session.params]
     if splitter.executes:  # the step really runs while capturing: so does the segment
         with torch.no_grad():
-            results = fn(*args, **kwargs)
+            results = _plainly(fn, args, kwargs)
         tensors, spec = sig.flatten(results)
         outputs = [t.detach() for t in tensors]
     else:
@@ -186,6 +186,13 @@ def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str
     session.segments.append(Segment(fn, args, kwargs, grads, spec, outputs, name))
     splitter.begin_part()
     return sig.unflatten(spec, outputs)
+
+
+def _plainly(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run a segment's body as plain eager code: a segment it calls (an eager optimizer's step
+    inside GradScaler's) is part of it, not a split of its own, as it is at replay."""
+    with _activate(None):
+        return fn(*args, **kwargs)
 
 
 def _check_results(name: str, spec: Any) -> None:
