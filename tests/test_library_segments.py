@@ -139,6 +139,30 @@ def test_the_eager_segment_leaves_a_fused_optimizer_in_the_graph(caplog):
     assert step.stats.replays == 2 and "eager segment" not in caplog.text
 
 
+def test_a_fused_optimizer_whose_step_moved_to_a_segment_still_gets_the_scale_and_inf_flag():
+    """Fused SGD with momentum cycling: its step runs as an eager segment (momentum is baked). GradScaler
+    hands it `grad_scale` and `found_inf` only during the call: the segment must set them at replay."""
+    (m_e, o_e), (m_g, o_g) = twins(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True))
+    scheds, scalers = [], []
+    for opt in (o_e, o_g):
+        scheds.append(torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=N_STEPS + 1))
+        scalers.append(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    eager = scaled_step(m_e, o_e, scalers[0], unscale=False)
+    step = graphstep.capture(
+        scaled_step(m_g, o_g, scalers[1], unscale=False), model=m_g, optimizer=o_g, config=recording()
+    )
+    for i, args in enumerate(scaled_data()):
+        torch.manual_seed(i)
+        want = eager(*args)
+        torch.manual_seed(i)
+        assert torch.equal(want, step(*args)), f"call {i}"
+        assert same_params(m_e, m_g), f"call {i}: parameters differ"
+        assert scalers[0].get_scale() == scalers[1].get_scale(), f"call {i}"
+        for s in scheds:
+            s.step()
+    assert step.stats.captures == 1 and step.stats.replays == N_STEPS - 4
+
+
 def test_outside_graphstep_the_calls_are_torchs_own():
     """The patches live only while a step warms up or captures."""
     assert torch.amp.GradScaler._maybe_opt_step.__module__ == "torch.amp.grad_scaler"

@@ -194,7 +194,9 @@ class Lifecycle:
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
             segments.optimizer_steps_as_segments(ctx.eager_optimizers),
-            library_segments.calls_as_segments(ctx.name, capturing=False),
+            library_segments.calls_as_segments(
+                ctx.name, capturing=False, eager_optimizers=ctx.eager_optimizers
+            ),
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
         self.segment_results = watch.seen
@@ -338,7 +340,10 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             segments.capturing(splitter, params, segment_results) as session,
             segments.optimizer_steps_as_segments(ctx.eager_optimizers),
             library_segments.calls_as_segments(
-                ctx.name, capturing=True, log_at_capture=backend.static_buffers
+                ctx.name,
+                capturing=True,
+                eager_optimizers=ctx.eager_optimizers,
+                log_at_capture=backend.static_buffers,
             ),
         ):
             outputs = ctx.fn(*a, **k)
