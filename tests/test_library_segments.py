@@ -311,3 +311,33 @@ def test_a_copy_of_pageable_cpu_memory_to_the_gpu_names_pinning():
 def test_a_line_with_no_known_pattern_gets_no_hint():
     frames = [traceback.FrameSummary("/home/me/train.py", 12, "step", line="y = model(x)")]
     assert host_sync_hint(frames, "operation not permitted when stream is capturing") is None
+
+
+# -- the PPO example --------------------------------------------------------------------------------
+
+
+def test_the_ppo_examples_update_captures(monkeypatch):
+    """examples/rl_ppo.py's update, captured on the recording backend, which refuses host syncs as a
+    CUDA capture does (its distributions' argument validation was one). On a GPU graphstep makes the
+    example's Adam capturable; on the CPU the graph-safe Adam is the fused one."""
+    import argparse
+    import functools
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "rl_ppo.py"
+    spec = importlib.util.spec_from_file_location("rl_ppo_example", path)
+    ppo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ppo)
+    capture = graphstep.capture
+    steps = []
+
+    def recorded(fn, **options):
+        steps.append(capture(fn, config=recording(), **options))
+        return steps[-1]
+
+    monkeypatch.setattr(graphstep, "capture", recorded)
+    monkeypatch.setattr(torch.optim, "Adam", functools.partial(torch.optim.Adam, fused=True))
+    args = argparse.Namespace(envs=16, horizon=8, epochs=2, minibatches=2, clip=0.2)
+    ppo.train(torch.device("cpu"), 6, args, captured=True)
+    assert steps[0].stats.captures == 1 and steps[0].stats.replays == 2
