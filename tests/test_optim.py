@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphstep
 from cpu_common import TinyNet, batches, same_params
-from graphstep.errors import GraphStepError, HostSyncError, UnsupportedOptimizerError
+from graphstep.errors import GraphStepError, UnsupportedOptimizerError
 from graphstep.optim import (
     OptimizerAdapter,
     host_sync_hint,
