@@ -55,9 +55,9 @@ def scaled_step(model, opt, scaler, *, unscale: bool):
     return step
 
 
-def scaled_data():
+def scaled_data(inf_calls=INF_CALLS):
     return [
-        (x, y, torch.tensor(1e30 if i in INF_CALLS else 1.0)) for i, (x, y) in enumerate(batches(N_STEPS))
+        (x, y, torch.tensor(1e30 if i in inf_calls else 1.0)) for i, (x, y) in enumerate(batches(N_STEPS))
     ]
 
 
@@ -139,10 +139,14 @@ def test_the_eager_segment_leaves_a_fused_optimizer_in_the_graph(caplog):
     assert step.stats.replays == 2 and "eager segment" not in caplog.text
 
 
-def test_a_fused_optimizer_whose_step_moved_to_a_segment_still_gets_the_scale_and_inf_flag():
-    """Fused SGD with momentum cycling: its step runs as an eager segment (momentum is baked). GradScaler
-    hands it `grad_scale` and `found_inf` only during the call: the segment must set them at replay."""
-    (m_e, o_e), (m_g, o_g) = twins(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True))
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_an_optimizer_whose_step_moved_to_a_segment_is_scaled_as_eager(fused):
+    """SGD with momentum cycling: its step runs as an eager segment (momentum is baked). Fused, GradScaler
+    hands it `grad_scale` and `found_inf` only during the call: the segment must set them at replay.
+    Foreach, GradScaler's own segment calls the optimizer's: one segment, not one inside another."""
+    (m_e, o_e), (m_g, o_g) = twins(
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=fused, foreach=not fused)
+    )
     scheds, scalers = [], []
     for opt in (o_e, o_g):
         scheds.append(torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=N_STEPS + 1))
@@ -151,7 +155,7 @@ def test_a_fused_optimizer_whose_step_moved_to_a_segment_still_gets_the_scale_an
     step = graphstep.capture(
         scaled_step(m_g, o_g, scalers[1], unscale=False), model=m_g, optimizer=o_g, config=recording()
     )
-    for i, args in enumerate(scaled_data()):
+    for i, args in enumerate(scaled_data(inf_calls=(9, 14))):  # the capture steps
         torch.manual_seed(i)
         want = eager(*args)
         torch.manual_seed(i)
@@ -226,6 +230,39 @@ def test_clip_grad_norm_without_the_check_stays_in_one_graph(caplog):
         for x, y in batches(5):
             captured(x, y)
     assert captured.stats.replays == 1 and "eager segment" not in caplog.text
+
+
+# -- AveragedModel (SWA, EMA) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_an_averaged_model_updated_in_the_step_runs_as_a_segment_equal_to_eager(kind, caplog):
+    (m_e, o_e), (m_g, o_g) = twins(OPTIMIZERS["SGD foreach"])
+    extra = {"multi_avg_fn": torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)} if kind == "ema" else {}
+    avg_e, avg_g = (torch.optim.swa_utils.AveragedModel(m, **extra) for m in (m_e, m_g))
+
+    def make(model, opt, averaged):
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            averaged.update_parameters(model)
+            return loss
+
+        return step
+
+    eager = make(m_e, o_e, avg_e)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        step = graphstep.capture(make(m_g, o_g, avg_g), model=m_g, optimizer=o_g, config=recording())
+        for i, (x, y) in enumerate(batches(12)):
+            torch.manual_seed(i)
+            want = eager(x, y)
+            torch.manual_seed(i)
+            assert torch.equal(want, step(x, y)), f"call {i}"
+    assert same_params(avg_e, avg_g) and same_params(m_e, m_g)
+    assert int(avg_g.n_averaged) == 12 and step.stats.replays == 8
+    assert "AveragedModel.update_parameters runs as an eager segment" in caplog.text
 
 
 # -- hints where a segment cannot help ------------------------------------------------------------------

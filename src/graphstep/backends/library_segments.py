@@ -10,6 +10,7 @@ self-contained: it can run eagerly between two graph replays (an eager segment, 
 |---|---|---|---|
 | `GradScaler.step(opt)`, `opt` not fused | `found_inf` (skip the step?) | `unscale_`, `update` | the inf check and `opt.step()` |
 | `clip_grad_norm_(error_if_nonfinite=True)` | is the norm finite? | the norm, the clipping | the check (raises as eager) |
+| `AveragedModel.update_parameters(model)` | `n_averaged` (copy or average?) | - | the whole update (SWA, EMA) |
 
 A fused optimizer (`fused=True` Adam, AdamW, SGD) unscales and skips on the device: GradScaler
 needs no segment then, and the step stays in one graph. Everything else the training stack does
@@ -229,12 +230,32 @@ def _get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = 
     return total
 
 
+# -- AveragedModel.update_parameters (SWA, EMA) ----------------------------------------------------
+
+_AveragedModel = torch.optim.swa_utils.AveragedModel
+_original_update_parameters = _AveragedModel.update_parameters
+
+
+def _update_parameters(self, model: torch.nn.Module) -> None:
+    """An SWA or EMA update: it reads its count (`n_averaged`) on the host to choose between copying
+    and averaging, and otherwise writes only the averaged tensors and the count, in place."""
+    _as_segment(
+        "AveragedModel.update_parameters",
+        "it reads n_averaged on the host (the first update copies, later ones average)",
+        "An average written on the device stays in the graph: e.g. an EMA as "
+        "`torch._foreach_lerp_(ema_params, params, 1 - decay)` on lists of tensors.",
+        lambda: _original_update_parameters(self, model),
+        self.n_averaged,
+    )
+
+
 # -- installing the patches ------------------------------------------------------------------------
 
 _PATCHES = [
     (_GradScaler, "_maybe_opt_step", _original_maybe_opt_step, _maybe_opt_step),
     (_GradScaler, "step", _original_scaler_step, _scaler_step),
     (_clip_grad, "_get_total_norm", _original_total_norm, _get_total_norm),
+    (_AveragedModel, "update_parameters", _original_update_parameters, _update_parameters),
 ]
 """(owner, attribute, torch's function, graphstep's); a torch without the attribute keeps its own
 (its host sync then meets a `HostSyncError` that says what to do)."""
