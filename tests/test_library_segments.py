@@ -167,6 +167,18 @@ def test_an_optimizer_whose_step_moved_to_a_segment_is_scaled_as_eager(fused):
     assert step.stats.captures == 1 and step.stats.replays == N_STEPS - 4
 
 
+def test_explain_names_the_segment_not_a_host_sync():
+    (_, _), (model, opt) = twins(OPTIMIZERS["SGD foreach"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    step = graphstep.capture(
+        scaled_step(model, opt, scaler, unscale=False), model=model, optimizer=opt, config=recording()
+    )
+    report = graphstep.explain(step, *scaled_data()[0])
+    segments = [h for h in report.hazards if "eager segment" in h]
+    assert len(segments) == 1 and "GradScaler.step(SGD)" in segments[0], report.hazards
+    assert not any(h.startswith("host sync") for h in report.hazards), report.hazards
+
+
 def test_outside_graphstep_the_calls_are_torchs_own():
     """The patches live only while a step warms up or captures."""
     assert torch.amp.GradScaler._maybe_opt_step.__module__ == "torch.amp.grad_scaler"

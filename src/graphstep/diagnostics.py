@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
+import threading
 import traceback
 import warnings
+from collections.abc import Iterator
 from types import TracebackType
 
 import torch
@@ -208,6 +211,21 @@ def host_sync_of(func: object, args: tuple) -> str | None:
     return None
 
 
+_expected = threading.local()
+
+
+@contextlib.contextmanager
+def expected_host_reads() -> Iterator[None]:
+    """Around a library call graphstep runs as an eager segment: its host reads are not the step's
+    host syncs (`HostSyncWatch` leaves them out)."""
+    depth = getattr(_expected, "depth", 0)
+    _expected.depth = depth + 1
+    try:
+        yield
+    finally:
+        _expected.depth = depth
+
+
 class HostSyncWatch:
     """Notes where a step synchronises with the host while it runs eagerly.
 
@@ -243,6 +261,8 @@ class HostSyncWatch:
 
     def note(self) -> None:
         """Record the user's frame of the current stack as a host-sync site."""
+        if getattr(_expected, "depth", 0):
+            return
         frame = user_frame_of(traceback.extract_stack()[:-1])
         site = "an unknown line" if frame is None else _describe(frame)
         if site not in self.sites:

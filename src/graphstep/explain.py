@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from . import signature as sig
+from .backends import library_segments
 from .backends.undo import UndoLog
 from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
@@ -114,8 +115,12 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
 
     reads = Reads.of_function(fn)
     if backend.static_buffers:
-        syncs, reads = _dry_run(step, backend, args, kwargs)
+        syncs, reads, segments = _dry_run(step, backend, args, kwargs)
         hazards += [f"host sync at {site}" for site in syncs]
+        hazards += [
+            f"{name} runs as an eager segment between graph replays (one wait for the GPU per call): {why}"
+            for name, why in segments.items()
+        ]
     read_guard = ReadGuard(reads)
     hazards += _read_hazards(state, reads, read_guard)
 
@@ -172,15 +177,22 @@ def _named(prefix: str, root: Any) -> list[tuple[str, Any]]:
     return [((f"{prefix}.{name}" if name else prefix), m) for name, m in root.named_modules()]
 
 
-def _dry_run(step: CapturedStep, backend: Any, args: tuple, kwargs: dict) -> tuple[list[str], Reads]:
-    """Run the step once eagerly, note its host syncs and what its Python reads, and take
-    everything it did to tensors back."""
+def _dry_run(
+    step: CapturedStep, backend: Any, args: tuple, kwargs: dict
+) -> tuple[list[str], Reads, dict[str, str]]:
+    """Run the step once eagerly, note its host syncs, the library calls that would run as eager
+    segments and what its Python reads, and take everything it did to tensors back."""
     refs = Snapshot.take(step._state, backend.cuda_devices)
     undo = UndoLog()
     try:
-        with HostSyncWatch(cuda=backend.name == "cuda") as watch, ReadWatch() as reads, undo:
+        with (
+            HostSyncWatch(cuda=backend.name == "cuda") as watch,
+            library_segments.calls_as_segments("explain", capturing=False) as segments,
+            ReadWatch() as reads,
+            undo,
+        ):
             step._fn(*args, **kwargs)
     finally:
         undo.roll_back()
         refs.restore()
-    return watch.sites, reads.reads
+    return watch.sites, reads.reads, segments

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..diagnostics import log
+from ..diagnostics import expected_host_reads, log
 from . import segments
 
 _local = threading.local()
@@ -71,22 +71,25 @@ _host_s: dict[tuple[str, str], float] = {}
 @contextlib.contextmanager
 def calls_as_segments(
     step_name: str, *, capturing: bool, eager_optimizers: list = (), log_at_capture: bool = True
-) -> Iterator[None]:
+) -> Iterator[dict[str, str]]:
     """While a step warms up (`capturing=False`) or is captured: route the synchronising library
     calls it makes through eager segments. At the end of a successful capture, one log line per
     kind of call that became a segment (`log_at_capture`: the backend makes real graphs).
     `eager_optimizers`: those whose step already runs as a segment (GradScaler must hand them its
-    scale and inf flag there)."""
+    scale and inf flag there). Yields a dict it fills: each call that became a segment -> what the
+    log line says of it (for `graphstep.explain`)."""
     phase = _Phase(step_name, capturing, list(eager_optimizers))
     previous = getattr(_local, "phase", None)
     _install()
     _local.phase = phase
+    described: dict[str, str] = {}
     try:
-        yield
+        yield described
     finally:
         _local.phase = previous
         _uninstall()
     for name, call in phase.calls.items():
+        described[name] = f"{call.why}. {call.instead}"
         if not capturing:
             _host_s[step_name, name] = call.host_s / call.calls
         elif log_at_capture:
@@ -111,6 +114,14 @@ def _log(step_name: str, name: str, call: _Call) -> None:
     )
 
 
+def _expected(fn: Callable[[], None]) -> Callable[[], None]:
+    def segment() -> None:
+        with expected_host_reads():
+            fn()
+
+    return segment
+
+
 def _as_segment(name: str, why: str, instead: str, fn: Callable[[], None], reads: torch.Tensor) -> None:
     """Run `fn()` (it returns nothing the step uses) as an eager segment of the step being warmed
     up or captured, or simply call it outside graphstep. `reads`: the tensor it reads on the host."""
@@ -119,6 +130,7 @@ def _as_segment(name: str, why: str, instead: str, fn: Callable[[], None], reads
         fn()
         return
     call = phase.calls.setdefault(name, _Call(why, instead))
+    fn = _expected(fn)
     call.calls += 1
     if phase.capturing:
         segments.run(fn, (), {}, name, returns_none=True)
