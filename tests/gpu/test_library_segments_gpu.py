@@ -132,6 +132,40 @@ def test_clip_grad_norm_error_if_nonfinite_raises_at_the_replay_where_eager_rais
     step.close()
 
 
+def test_an_ema_updated_inside_the_step_is_bitwise_eager():
+    """AveragedModel.update_parameters reads n_averaged on the host: an eager segment after the graph."""
+    cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    twin = copy.deepcopy(model)
+    runs = []
+    for m in (model, twin):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        make_capturable(opt, "cuda")
+        ema = torch.optim.swa_utils.AveragedModel(
+            m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99)
+        )
+
+        def step(x, y, m=m, opt=opt, ema=ema):
+            loss = m(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(m)
+            return loss.detach()
+
+        runs.append((step, opt, ema))
+    (eager, _, ema_e), (fn, opt_g, ema_g) = runs
+    step = graphstep.capture(fn, model=twin, optimizer=opt_g)
+    data = make_batches(cfg, batch_size=4, n_batches=4, seed=0, device="cuda")
+    with deterministic():
+        for i in range(12):
+            assert torch.equal(eager(*data[i % 4]), step(*data[i % 4])), f"call {i}"
+    assert_same_params(ema_e, ema_g)
+    assert step.stats.captures == 1 and step.stats.replays >= 8, step.stats
+    step.close()
+
+
 def test_the_ppo_example_runs_with_its_defaults():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(ROOT / "examples" / "rl_ppo.py")]
