@@ -15,6 +15,11 @@ class HostSyncError(CaptureError):
     """The step synchronises with the host (`.item()`, `.cpu()`, `print(tensor)`, ...)."""
 
 
+class HostRandomError(CaptureError):
+    """The step drew random numbers on the host while it was captured (Python's `random`, NumPy,
+    a CPU `torch.Generator`): every replay would repeat that one draw."""
+
+
 class TooManyGraphsError(GraphStepError):
     """More distinct input signatures than `Config.max_graphs` allows."""
 

@@ -59,8 +59,6 @@ class _Call:
 class _Phase:
     step_name: str
     capturing: bool
-    eager_optimizers: list
-    """Optimizers whose `step()` graphstep runs as an eager segment (`segments.optimizer_steps_as_segments`)."""
     calls: dict[str, _Call] = dataclasses.field(default_factory=dict)
 
 
@@ -70,15 +68,14 @@ _host_s: dict[tuple[str, str], float] = {}
 
 @contextlib.contextmanager
 def calls_as_segments(
-    step_name: str, *, capturing: bool, eager_optimizers: list = (), log_at_capture: bool = True
+    step_name: str, *, capturing: bool, log_at_capture: bool = True
 ) -> Iterator[dict[str, str]]:
     """While a step warms up (`capturing=False`) or is captured: route the synchronising library
     calls it makes through eager segments. At the end of a successful capture, one log line per
-    kind of call that became a segment (`log_at_capture`: the backend makes real graphs).
-    `eager_optimizers`: those whose step already runs as a segment (GradScaler must hand them its
-    scale and inf flag there). Yields a dict it fills: each call that became a segment -> what the
-    log line says of it (for `graphstep.explain`)."""
-    phase = _Phase(step_name, capturing, list(eager_optimizers))
+    kind of call that became a segment (`log_at_capture`: the backend makes real graphs). Yields a
+    dict it fills: each call that became a segment -> what the log line says of it (for
+    `graphstep.explain`)."""
+    phase = _Phase(step_name, capturing)
     previous = getattr(_local, "phase", None)
     _install()
     _local.phase = phase
@@ -172,45 +169,6 @@ def _maybe_opt_step(self, optimizer, optimizer_state: dict, *args: Any, **kwargs
     return None
 
 
-_original_scaler_step = _GradScaler.step
-
-
-def _scaler_step(self, optimizer, *args: Any, **kwargs: Any) -> Any:
-    """GradScaler.step for an optimizer that unscales and skips itself (`fused=True`) but whose
-    step graphstep runs as an eager segment (a scheduler changes a value it bakes). GradScaler
-    hands such an optimizer its scale and inf flag as attributes (`grad_scale`, `found_inf`) for
-    the length of the call only: a replay would run the step without them, unscaling nothing and
-    skipping nothing. The segment sets them again, to the tensors the graph before it writes."""
-    phase: _Phase | None = getattr(_local, "phase", None)
-    if (
-        phase is None
-        or not getattr(optimizer, "_step_supports_amp_scaling", False)
-        or not any(optimizer is o for o in phase.eager_optimizers)
-    ):
-        return _original_scaler_step(self, optimizer, *args, **kwargs)
-    routed = optimizer.step  # graphstep's routing into a segment; a segment it calls runs plainly
-
-    def step_with_scale(*a: Any, **k: Any) -> None:
-        grad_scale, found_inf = optimizer.grad_scale, optimizer.found_inf
-
-        def segment() -> None:
-            given = hasattr(optimizer, "found_inf")  # at capture and warm-up GradScaler deletes them after
-            optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
-            try:
-                routed(*a, **k)
-            finally:
-                if not given:
-                    del optimizer.grad_scale, optimizer.found_inf
-
-        segments.run(segment, (), {}, f"{type(optimizer).__qualname__}.step", returns_none=True)
-
-    optimizer.step = step_with_scale
-    try:
-        return _original_scaler_step(self, optimizer, *args, **kwargs)
-    finally:
-        optimizer.step = routed
-
-
 # -- clip_grad_norm_(error_if_nonfinite=True) -----------------------------------------------------
 
 _clip_grad = torch.nn.utils.clip_grad
@@ -265,7 +223,6 @@ def _update_parameters(self, model: torch.nn.Module) -> None:
 
 _PATCHES = [
     (_GradScaler, "_maybe_opt_step", _original_maybe_opt_step, _maybe_opt_step),
-    (_GradScaler, "step", _original_scaler_step, _scaler_step),
     (_clip_grad, "_get_total_norm", _original_total_norm, _get_total_norm),
     (_AveragedModel, "update_parameters", _original_update_parameters, _update_parameters),
 ]
