@@ -239,14 +239,20 @@ def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iter
     graph. That is exact for an optimizer whose step calls the closure once, first, under
     `enable_grad` (every torch.optim optimizer but LBFGS, which graphstep refuses); one that calls
     it again is stopped with a `CaptureError` (see `_OneEvaluation`)."""
+    # What the instance held before (a torch LR scheduler wraps `opt.step` on the instance to notice
+    # the step was called): put back afterwards, not dropped.
+    held = [(opt, opt.__dict__.get("step")) for opt in optimizers]
     for opt in optimizers:
         step = opt.step
         opt.step = functools.partial(_segment_step, opt, step, f"{type(opt).__qualname__}.step")
     try:
         yield
     finally:
-        for opt in optimizers:
-            opt.__dict__.pop("step", None)
+        for opt, before in held:
+            if before is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = before
 
 
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
