@@ -24,9 +24,15 @@ from .backends.cuda import CudaGraphBackend
 from .backends.eager import EagerBackend
 from .backends.recording import RecordingBackend
 from .config import Config
-from .diagnostics import StepStats, eager_fallback_message, log, too_many_graphs_message
+from .diagnostics import (
+    StepStats,
+    changing_argument_message,
+    eager_fallback_message,
+    log,
+    too_many_graphs_message,
+)
 from .distributed.ranks import Agreement, Phase
-from .errors import ClosedError, GraphStepError, TooManyGraphsError
+from .errors import ChangingArgumentError, ClosedError, GraphStepError, TooManyGraphsError
 from .guards.state_guard import bindings
 from .lifecycle import Lifecycle
 from .optim.adapter import OptimizerAdapter
@@ -36,6 +42,7 @@ from .step_context import StepContext
 
 _ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
 _MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
+_CHURN_CALLS = 4  # calls in a row, each with a new value of one Python number argument, before saying so
 
 
 def capture(
@@ -95,6 +102,9 @@ class CapturedStep:
         )
         self._lives: dict[Signature, Lifecycle] = {}
         self._eager_keys: set[Signature] = set()
+        self._new_in_a_row: list[Signature] = []
+        """Signatures of the last calls, while each call brought a new one (see `_check_churn`)."""
+        self._churn_warned = False
         self._ctx: StepContext | None = None  # set up on the first call
         self._generators = list(generators or [])
         if share_pool_with is not None and not isinstance(share_pool_with, CapturedStep):
@@ -278,13 +288,35 @@ class CapturedStep:
         """The lifecycle of `signature`, made if there is room; None means: run eagerly."""
         life = self._lives.get(signature)
         if life is not None:
+            if self._new_in_a_row:
+                self._new_in_a_row.clear()
             return life
+        self._check_churn(signature)
         if len(self._lives) >= self.config.max_graphs:
             if self.config.on_too_many_graphs == "raise":
                 raise TooManyGraphsError(self._too_many_message(signature))
             return None
         life = self._lives[signature] = Lifecycle(self._ctx, signature)
         return life
+
+    def _check_churn(self, signature: Signature) -> None:
+        """A Python number argument with a new value on each of the last few calls (an iteration
+        index) would warm up a graph per value and spend `max_graphs` without replaying once: say
+        so after a few, naming the argument."""
+        run = self._new_in_a_row
+        run.append(signature)
+        needed = max(2, min(_CHURN_CALLS, self.config.max_graphs + 1))
+        del run[:-needed]
+        found = sig.changing_number(run) if len(run) == needed else None
+        if found is None:
+            return
+        message = changing_argument_message(self._name, *found)
+        if self.config.on_too_many_graphs == "raise":
+            run.clear()
+            raise ChangingArgumentError(message)
+        if not self._churn_warned:  # on_too_many_graphs="eager": the user accepts eager calls
+            self._churn_warned = True
+            log.warning(message)
 
     def _graphs_alive(self) -> int:
         return sum(life.graphs() for life in self._lives.values())
