@@ -168,7 +168,7 @@ class WriteWatch:
             self.roll_back()
             raise PythonWriteError(message)
         if self.writes:
-            log.info(
+            log.debug(
                 "graphstep: %s writes Python state at capture (allowed by Config(allow_python_writes=True)); "
                 "replays will not write it again:\n%s",
                 self.step_name,
