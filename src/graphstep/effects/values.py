@@ -232,7 +232,8 @@ class Census:
     object from taking an old one's address while the step runs."""
 
     def __init__(self) -> None:
-        self.objects: list | None = [o for o in gc.get_objects() if not _is_tensor_type(type(o))]
+        plain = _TENSOR_TYPES
+        self.objects: list | None = [o for o in gc.get_objects() if type(o) not in plain]
         self._ids: set[int] | None = None
         self._held: dict[int, tuple[Any, bool]] = {}
 
@@ -259,11 +260,5 @@ class Census:
         self._held.clear()
 
 
-_tensor_types: dict[type, bool] = {}
-
-
-def _is_tensor_type(kind: type) -> bool:
-    found = _tensor_types.get(kind)
-    if found is None:
-        found = _tensor_types[kind] = issubclass(kind, torch.Tensor)
-    return found
+_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
+"""Left out of the census (subclasses are rare enough to keep: DTensor parameters live on anyway)."""
