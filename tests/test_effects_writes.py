@@ -212,7 +212,9 @@ def test_a_history_appended_in_the_step_is_refused_and_returning_the_value_is_eq
         return remembered
 
     text = refused(Counting, appending, lambda m: len(m.history))
-    assert line_of(appending, "write: append") in text and "list.append" in text, text
+    assert (
+        line_of(appending, "write: append") in text and "`model.history.append(...)` changes a list" in text
+    ), text
     eager, graphed = equal_over_steps(
         Counting, appending_outside, outside=lambda m, loss: m.history.append(loss)
     )

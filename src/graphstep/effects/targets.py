@@ -5,7 +5,8 @@ An opcode tracer sees `STORE_ATTR seen` about to run but not the value stack, so
 interpretation of the value stack gives, for each store instruction, the expression that pushed its
 target (`self`, `self.history`, `CFG`, `cfg["loss"]`), which `evaluate` then reads in the running
 frame. Expressions are tuples: `("fast", name)`, `("deref", name)`, `("global", name)`,
-`("const", value)`, `("attr", base, name)`, `("item", base, key)`; None is a value the analysis does
+`("const", value)`, `("attr", base, name)`, `("item", base, key)`, `("method", base, name)` (a method
+loaded for a call); None is a value the analysis does
 not follow (a call's result, anything after an instruction it does not model). Only names, constants,
 attribute loads and subscripts are followed: evaluating those again runs no user code (properties
 and tensors are not followed, see `evaluate`).
@@ -33,8 +34,9 @@ UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "(unknown)"})()
 class Store:
     """A write an instruction makes. `kind`: "attr" (set or delete an attribute of `target`),
     "item" (set or delete an item of the container `target`, or an in-place operator on it),
-    "global", "cell" (a closure variable of an enclosing function), "name" (a name written by
-    module-level code)."""
+    "call" (a call of `target`'s method `name`, which changes it if it is a container), "global",
+    "cell" (a closure variable of an enclosing function), "name" (a name written by module-level
+    code); and "print", a call of `print` (not a write, but run only while the step's Python runs)."""
 
     kind: str
     target: Expr = None
@@ -90,6 +92,16 @@ _POP_ONLY = frozenset(
         "DICT_MERGE",
     }
 )
+_PRINT = ("global", "print")
+CONTAINER_METHODS = frozenset(
+    {
+        *("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"),
+        *("popitem", "setdefault", "update", "move_to_end"),
+        *("add", "discard", "difference_update", "intersection_update", "symmetric_difference_update"),
+        *("appendleft", "extendleft", "popleft", "rotate"),
+    }
+)
+"""Methods that change a list, dict, set, deque or bytearray in place: a call of one is a write."""
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
 
 
@@ -124,9 +136,20 @@ def _transfer(ins: dis.Instruction, code: types.CodeType, stack: list, found: di
         return [*S, ("fast", name[0]), ("fast", name[1])]
     if op == "LOAD_ATTR" and S:
         base = S.pop()
-        return [*S, None, None] if _effect(ins, False) == 1 else [*S, ("attr", base, name)]
+        return [*S, ("method", base, name), base] if _effect(ins, False) == 1 else [*S, ("attr", base, name)]
     if op == "LOAD_METHOD" and S:
-        return [*S[:-1], None, None]
+        return [*S[:-1], ("method", S[-1], name), S[-1]]
+    if op == "PRECALL":  # 3.11: the CALL after it consumes the operands
+        return S
+    if op in ("CALL", "CALL_KW"):
+        used = ins.arg + (3 if op == "CALL_KW" else 2)
+        if len(S) >= used:
+            callee, second = S[-used], S[-used + 1]
+            if callee is not None and callee[0] == "method" and callee[2] in CONTAINER_METHODS:
+                found[ins.offset] = Store("call", callee[1], callee[2])
+            elif _PRINT in (callee, second):
+                found[ins.offset] = Store("print")
+        return [*S[: max(0, len(S) - used)], None]
     if op == "BINARY_SUBSCR" and len(S) >= 2:
         return [*S[:-2], ("item", S[-2], S[-1])]
     if op == "BINARY_OP" and len(S) >= 2:

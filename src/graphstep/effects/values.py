@@ -238,15 +238,16 @@ class Census:
         self._held: dict[int, tuple[Any, bool]] = {}
 
     def existed(self, obj: Any) -> bool:
-        """`obj` existed before the capture began, or is held by something that did (a dict that the
-        collector did not track then: a dict holding only numbers is not tracked)."""
+        """`obj` existed before the capture began, or is held by something that did (a plain dict that
+        the collector did not track then: a dict holding only numbers is not tracked). The second costs
+        one pass over the collector's objects, once per such dict."""
         if self.objects is None:
             return True
         if self._ids is None:
             self._ids = {id(o) for o in self.objects}
         if id(obj) in self._ids:
             return True
-        if not isinstance(obj, (dict, tuple)):
+        if type(obj) is not dict:  # only a plain dict can have been left untracked
             return False
         cached = self._held.get(id(obj))
         if cached is None or cached[0] is not obj:

@@ -16,21 +16,22 @@ is everything libraries write (DDP, FSDP2, autocast, hooks, transformers and Lig
 bookkeeping in every forward), and whatever an eager segment does (it runs on every replay). A write
 that leaves the same object in place (`self.flag = True` when it was True) changes nothing.
 
-How: an opcode tracer (`sys.settrace`) on user frames that contain store instructions; the target of
-each store comes from the bytecode (`targets.py`) and is compared before and after the instruction.
-A profile function (`sys.setprofile`) sees user frames call containers' C methods (`append`, `update`,
-...) and `print`. Both chain to whatever was installed before and are put back after. What existed
-before is a census of the collector's objects taken when the watch starts (tensors left out).
+How: an opcode tracer (`sys.settrace`) on user frames that contain stores or calls of containers'
+mutating methods (`append`, `update`, ...); the target of each comes from the bytecode (`targets.py`)
+and is compared before and after the instruction. It chains to the tracer installed before (local
+tracers included) and puts it back after; no profile function is installed, so library code pays one
+trace call per Python frame it enters and nothing per C call. What existed before is a census of the
+collector's objects taken when the watch starts (tensors left out).
 
 Limits: user Python that autograd runs on its own threads (a custom backward on CUDA) is not watched;
 writes through `setattr()`, `object.__setattr__`, `vars(obj)[...]`, a C function handed a container
-(`heapq.heappush`), or a user container type's own `__setitem__` implemented in C are not seen; a store
+(`heapq.heappush`), a method called unbound (`list.append(xs, x)`) or kept in a variable, or a user
+container type's own `__setitem__` implemented in C are not seen; a store
 whose target the bytecode analysis does not follow (an attribute of a call's result) is not judged.
 """
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import functools
 import linecache
@@ -126,9 +127,7 @@ class WriteWatch:
         self._census: values.Census | None = None
         self._user: dict[types.CodeType, bool] = {}
         self._pending: dict[types.FrameType, _Pending] = {}
-        self._calls: list[tuple[Any, _Pending, types.FrameType]] = []
         self._previous_trace: Any = None
-        self._previous_profile: Any = None
 
     # -- entering and leaving --------------------------------------------------------------------
 
@@ -136,18 +135,22 @@ class WriteWatch:
         if not self.enabled or self._used:
             return self
         self._used = True
-        self._previous_trace, self._previous_profile = sys.gettrace(), sys.getprofile()
-        if not all(f is None or callable(f) for f in (self._previous_trace, self._previous_profile)):
+        self._previous_trace, profile = sys.gettrace(), sys.getprofile()
+        if self._previous_trace is not None and not callable(self._previous_trace):
             log.warning(
-                "graphstep: a C-level tracer or profiler is active, so %s's capture cannot watch its "
-                "writes to Python state (nothing is refused this time).",
+                "graphstep: a C-level tracer is active, so %s's capture cannot watch its writes to "
+                "Python state (nothing is refused this time).",
                 self.step_name,
             )
             return self
-        sys.setprofile(None)  # a profiler before ours would see every call the census makes
-        self._census = values.Census()
+        if profile is None or callable(profile):  # a Python profiler would see every call the census makes
+            sys.setprofile(None)
+        try:
+            self._census = values.Census()
+        finally:
+            if profile is None or callable(profile):
+                sys.setprofile(profile)
         self._active = True
-        sys.setprofile(self._profile)
         sys.settrace(self._trace)
         return self
 
@@ -155,7 +158,6 @@ class WriteWatch:
         if not self._active:
             return
         sys.settrace(self._previous_trace)
-        sys.setprofile(self._previous_profile)
         self._active = False
         for frame in list(self._pending):
             self.finish(frame)
@@ -215,7 +217,9 @@ class WriteWatch:
     def _is_user(self, code: types.CodeType) -> bool:
         user = self._user.get(code)
         if user is None:
-            user = self._user[code] = is_user_file(code.co_filename)
+            # Code Python generates (a dataclass's `__init__`, "<string>") is nobody's line to fix.
+            name = code.co_filename
+            user = self._user[code] = not name.startswith("<") and is_user_file(name)
         return user
 
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -231,25 +235,6 @@ class WriteWatch:
         inner_opcodes = inner is not None and frame.f_trace_opcodes
         frame.f_trace_opcodes = True
         return _Local(self, inner, inner_opcodes)
-
-    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
-        if self._previous_profile is not None:
-            self._previous_profile(frame, event, arg)
-        if event == "c_call":
-            owner = getattr(arg, "__self__", None)
-            if (
-                owner is not None
-                and arg.__name__ in values.mutators(type(owner))
-                and self._is_user(frame.f_code)
-            ):
-                text = f"{type(owner).__name__}.{arg.__name__}"
-                pending = _Pending("item", owner, None, values.contents(owner), text, frame.f_lineno)
-                self._calls.append((arg, pending, frame))
-            elif arg is builtins.print and self._is_user(frame.f_code):
-                self._note_print(frame)
-        elif event in ("c_return", "c_exception") and self._calls and self._calls[-1][0] is arg:
-            _, pending, caller = self._calls.pop()
-            self._complete(pending, caller)
 
     def _note_print(self, frame: types.FrameType) -> None:
         where = site(frame)
@@ -279,12 +264,14 @@ class WriteWatch:
 
     def _begin_store(self, frame: types.FrameType, store: targets.Store) -> None:
         kind, name = store.kind, store.name
-        if kind == "global":
+        if kind == "print":
+            self._note_print(frame)
+        elif kind == "global":
             namespace = frame.f_globals
             self._pending[frame] = _Pending(kind, namespace, name, namespace.get(name, values.MISSING), name)
         elif kind == "cell":
             self._pending[frame] = _Pending(kind, None, name, frame.f_locals.get(name, values.MISSING), name)
-        elif kind in ("attr", "item"):
+        elif kind in ("attr", "item", "call"):
             obj = targets.evaluate(store.target, frame, frame.f_locals)
             if obj is targets.UNKNOWN or isinstance(obj, torch.Tensor):
                 return
@@ -293,7 +280,11 @@ class WriteWatch:
                 state = values.attr_state(obj, name)
                 if state is not None:
                     self._pending[frame] = _Pending(kind, obj, name, state, f"{text}.{name}")
-            elif values.mutators(type(obj)):
+            elif kind == "call" and name in values.mutators(type(obj)):
+                self._pending[frame] = _Pending(
+                    "item", obj, None, values.contents(obj), f"{text}.{name}(...)"
+                )
+            elif kind == "item" and values.mutators(type(obj)):
                 key = f"[{targets.render(store.key)}]" if store.key is not None else ""
                 self._pending[frame] = _Pending(kind, obj, None, values.contents(obj), text + key)
 
