@@ -233,8 +233,11 @@ class WriteWatch:
         if not self._is_user(code) or not targets.stores(code):
             return inner
         inner_opcodes = inner is not None and frame.f_trace_opcodes
+        local = _Local(self, inner, inner_opcodes)
+        # f_trace first: Python 3.12 turns opcode events on only for a frame that has its tracer.
+        frame.f_trace = local
         frame.f_trace_opcodes = True
-        return _Local(self, inner, inner_opcodes)
+        return local
 
     def _note_print(self, frame: types.FrameType) -> None:
         where = site(frame)
