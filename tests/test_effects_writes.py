@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import os
+import subprocess
 import sys
 import types
 
@@ -387,3 +389,31 @@ def test_tracers_installed_before_are_chained_and_put_back():
         sys.setprofile(None)
     assert "forward" in traced and "forward" in profiled, "the watchers before graphstep's saw the step"
     assert model.seen == 2
+
+
+FIRST_TRACE = """
+import types
+from graphstep.effects.writes import WriteWatch
+from graphstep.errors import PythonWriteError
+
+PROGRESS = types.SimpleNamespace(steps=0)
+
+def step():
+    PROGRESS.steps += 1
+
+try:
+    with WriteWatch("step"):
+        step()
+except PythonWriteError:
+    assert PROGRESS.steps == 0
+    print("refused")
+"""
+
+
+def test_the_first_watch_of_a_process_sees_the_steps_writes(tmp_path):
+    # Python 3.12 delivers opcode events to a process's first tracer only if asked for before it.
+    script = tmp_path / "first_trace.py"
+    script.write_text(FIRST_TRACE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert done.stdout.strip() == "refused", done.stdout + done.stderr

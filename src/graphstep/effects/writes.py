@@ -151,6 +151,13 @@ class WriteWatch:
             if profile is None or callable(profile):
                 sys.setprofile(profile)
         self._active = True
+        # Python 3.12 turns opcode events on when a tracer is installed only if some frame of the
+        # process asked for them before (a flag that stays set): ask once, so that the first
+        # capture of a process is watched too.
+        here = sys._getframe()
+        asked = here.f_trace_opcodes
+        here.f_trace_opcodes = True
+        here.f_trace_opcodes = asked
         sys.settrace(self._trace)
         return self
 
@@ -217,9 +224,11 @@ class WriteWatch:
     def _is_user(self, code: types.CodeType) -> bool:
         user = self._user.get(code)
         if user is None:
-            # Code Python generates (a dataclass's `__init__`, "<string>") is nobody's line to fix.
+            # Code generated with `exec` (a dataclass's `__init__`, attrs' methods) is nobody's line
+            # to fix; an interactive session's ("<stdin>", "<ipython-input-...>") is the user's.
             name = code.co_filename
-            user = self._user[code] = not name.startswith("<") and is_user_file(name)
+            generated = name == "<string>" or name.startswith(("<frozen", "<attrs generated"))
+            user = self._user[code] = not generated and is_user_file(name)
         return user
 
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
