@@ -21,6 +21,7 @@ import torch
 
 import graphstep
 from graphstep import effects
+from graphstep.demo.bench_report import gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
 from graphstep.effects.values import Census
 
@@ -120,7 +121,7 @@ def main() -> None:
         "rows": rows,
     }
     census.drop()
-    slug = (torch.cuda.get_device_name().split()[-1].lower() if cuda else "cpu") + "_" + result["date"]
+    slug = (gpu_slug(torch.cuda.get_device_name()) if cuda else "cpu") + "_" + result["date"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{slug}_capture_watch_cost.json").write_text(json.dumps(result, indent=2) + "\n")
