@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +115,7 @@ def main() -> None:
         "question": "What does watching the step's Python writes cost a capture?",
         "gpu": torch.cuda.get_device_name() if cuda else "none (recording backend on CPU)",
         "torch": torch.__version__,
+        "python": sys.version.split()[0],
         "date": datetime.date.today().isoformat(),
         "config": {"backend": config.backend, "warmup_steps": config.warmup_steps, "repeats": args.repeats},
         "census_objects": len(census.objects),
@@ -126,7 +128,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{slug}_capture_watch_cost.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        f"# Capture cost of the write watch: {result['gpu']}, torch {result['torch']}, {result['date']}",
+        f"# Capture cost of the write watch: {result['gpu']}, Python {result['python']}, "
+        f"torch {result['torch']}, {result['date']}",
         "",
         f"Census: {result['census_objects']} objects in {census_ms:.1f} ms (medians of {args.repeats} captures).",
         "",
