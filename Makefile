@@ -19,6 +19,8 @@ VENV_SITE := import sysconfig; print(sysconfig.get_path('purelib'))
 TORCH_SAYS := import torch; print(f'make: torch {torch.__version__} ({\"CUDA \" + torch.version.cuda if torch.version.cuda else \"CPU build\"}) from {torch.__path__[0]}')
 
 PYTHON_PATH_TESTS := tests/test_guards.py tests/test_guards_reads.py tests/test_variants.py
+# Test processes in parallel (pytest-xdist): "auto" is one per CPU core.
+TEST_WORKERS ?= auto
 
 .PHONY: setup test demo bench lint gpu-check clean
 
@@ -42,9 +44,9 @@ setup: $(BIN)/python
 
 test: setup
 	$(BIN)/python -m ruff check src tests examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 	@# The guards once more on their pure-Python path (the fallback where the helper is not built).
-	GRAPHSTEP_FASTCHECK=0 $(BIN)/python -m pytest -q $(PYTHON_PATH_TESTS)
+	GRAPHSTEP_FASTCHECK=0 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTHON_PATH_TESTS)
 
 demo: setup
 	$(BIN)/graphstep demo

@@ -65,9 +65,9 @@ def gpt2(device: str):
 
 def capture_seconds(make, device: str, config: graphstep.Config, watched: bool) -> float:
     step, model, opt, batch = make(device)
-    original = effects.watch_capture
+    original = effects.watch_writes
     if not watched:
-        effects.watch_capture = lambda name, *, allow_writes, graphs: original(
+        effects.watch_writes = lambda name, *, allow_writes, graphs: original(
             name, allow_writes=allow_writes, graphs=False
         )
     try:
@@ -77,7 +77,7 @@ def capture_seconds(make, device: str, config: graphstep.Config, watched: bool) 
         seconds = captured.stats.capture_s
         captured.close()
     finally:
-        effects.watch_capture = original
+        effects.watch_writes = original
     return seconds
 
 

@@ -10,8 +10,9 @@ graphstep's `GraphStepTrainer` (graphstep.integrations.huggingface) instead. On 
 timed against the same loop without graphstep (skip with --no-compare). Exits cleanly, saying so, when
 transformers is not installed.
 
-No attention_mask is passed: with one, transformers checks `mask.all()` on the host in warm-up, which
-graphstep reports as a host sync. Pad-free batches need no mask.
+The batches have no padding, so no attention_mask is passed. One would work as well: transformers checks a
+mask on the host only outside a capture, in the eager warm-ups, and graphstep judges host syncs at capture
+(docs/limits.md: transformers' capture path).
 """
 
 from __future__ import annotations

@@ -185,8 +185,9 @@ def test_max_graphs_eager_fallback_warns_once_per_signature():
     config = graphstep.Config(backend="recording", max_graphs=1, on_too_many_graphs="eager")
     step = graphstep.capture(lambda x: x + 1, config=config)
     step(torch.zeros(1))
-    with pytest.warns(UserWarning, match="max_graphs=1"):
+    with pytest.warns(UserWarning, match="max_graphs=1") as warned:
         assert torch.equal(step(torch.zeros(2)), torch.ones(2))
+    assert warned[0].filename == __file__  # the warning points at the user's call
     import warnings
 
     with warnings.catch_warnings():

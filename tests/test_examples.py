@@ -1,13 +1,18 @@
 """Every script in examples/ runs a few steps on CPU (graphstep's eager backend) and exits 0.
 
-Each runs in its own process, as a user would run it; the DDP/FSDP2 example under torchrun with two
-gloo ranks. Examples whose framework is not installed are skipped, saying which.
+Each runs in a process of its own, as `python examples/X.py ...` with its output and exit code; the
+DDP/FSDP2 example under torchrun with two gloo ranks. The single-process examples are forked from a
+server that has imported torch and the frameworks once (multiprocessing's "forkserver", preloaded),
+instead of each importing them afresh: the imports were most of these tests' time. Examples whose
+framework is not installed are skipped, saying which.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -45,15 +50,67 @@ CASES = {
 }
 
 
+PRELOADED = ["torch", "transformers", "pytorch_lightning", "accelerate", "torchvision"]
+
+
+def _run_script(path: str, argv: list[str], log: str) -> None:
+    """In the forked process: run `path` as `__main__` with `argv`, its output (fds 1 and 2) in `log`."""
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))  # as `python path` puts the script's folder first
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_forked(script: Path, argv: list[str], log: Path) -> tuple[int, str]:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    proc = ctx.Process(target=_run_script, args=(str(script), argv, str(log)))
+    proc.start()
+    proc.join(timeout=420)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode, log.read_text()
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_example_runs_on_cpu(name: str) -> None:
+def test_example_runs_on_cpu(name: str, tmp_path: Path) -> None:
     args, package, expected = CASES[name]
     if package and package != "torchrun" and importlib.util.find_spec(package) is None:
         pytest.skip(f"examples/{args[0]} needs {package}, which is not installed")
-    prefix = TORCHRUN if package == "torchrun" else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [*prefix, str(EXAMPLES / args[0]), *args[1:], "--device", "cpu"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{output[-4000:]}"
+    argv = [*args[1:], "--device", "cpu"]
+    command = f"python examples/{args[0]} {' '.join(argv)}"
+    if package == "torchrun":
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        }
+        done = subprocess.run(
+            [*TORCHRUN, str(EXAMPLES / args[0]), *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        code, output = done.returncode, done.stdout + done.stderr
+    else:
+        code, output = _run_forked(EXAMPLES / args[0], argv, tmp_path / "output.txt")
+    assert code == 0, f"{command} exited {code}:\n{output[-4000:]}"
     assert expected in output, output[-4000:]

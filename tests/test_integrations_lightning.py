@@ -28,12 +28,13 @@ BACKENDS = ["recording", "eager"]
 
 
 class Net(pl.LightningModule):
-    def __init__(self, *, manual: bool = False, scheduler_inside: bool = False):
+    def __init__(self, *, manual: bool = False, scheduler_inside: bool = False, recipe: str = "adamw"):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         self.automatic_optimization = not manual
         self.scheduler_inside = scheduler_inside
+        self.recipe = recipe
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -55,9 +56,13 @@ class Net(pl.LightningModule):
             self.lr_schedulers().step()
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        if self.recipe == "sgd-one-cycle":  # the vision recipe: its step runs as an eager segment
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=STEPS + 1)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
         graphstep.optim.make_capturable(opt, "cpu")  # the same settings with and without graphstep
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -108,9 +113,9 @@ def fit(module: Net, callbacks: list, **trainer_options):
     return trainer, outputs.outputs, logger.rows
 
 
-def assert_same_runs(plain, captured, plain_module, captured_module):
+def assert_same_runs(plain, captured, plain_module, captured_module, batches=STEPS):
     (t1, out1, rows1), (t2, out2, rows2) = plain, captured
-    assert len(out1) == len(out2) == STEPS
+    assert len(out1) == len(out2) == batches
     for i, (a, b) in enumerate(zip(out1, out2)):
         assert a.keys() == b.keys()
         for key in a:
@@ -118,7 +123,7 @@ def assert_same_runs(plain, captured, plain_module, captured_module):
     assert t1.global_step == t2.global_step == STEPS
     train_rows1 = [(s, {k: v for k, v in m.items() if k != "epoch"}) for s, m in rows1]
     train_rows2 = [(s, {k: v for k, v in m.items() if k != "epoch"}) for s, m in rows2]
-    assert train_rows1 == train_rows2 and len(train_rows1) == STEPS
+    assert train_rows1 == train_rows2 and len(train_rows1) >= STEPS
     for p, q in zip(plain_module.parameters(), captured_module.parameters()):
         assert torch.equal(p, q)
 
@@ -139,9 +144,44 @@ def test_callback_trains_like_plain_lightning(backend, manual):
     assert callback.step is None and "training_step" not in captured_module.__dict__  # restored
 
 
-def test_gradient_accumulation_is_refused_with_a_way_out():
-    with pytest.raises(GraphStepError, match="accumulate_grad_batches=2"):
-        fit(Net(), [GraphStepCallback()], accumulate_grad_batches=2)
+def test_sgd_with_one_cycle_runs_its_update_as_a_segment_and_trains_like_plain_lightning():
+    """Lightning calls `optimizer.step(closure)`; OneCycleLR cycles SGD's baked momentum, so the
+    update runs as an eager segment while the closure (forward, backward, clipping) is captured."""
+    plain_module = Net(recipe="sgd-one-cycle")
+    plain = fit(plain_module, [], gradient_clip_val=0.5)
+    callback = GraphStepCallback(config=graphstep.Config(backend="recording"))
+    captured_module = Net(recipe="sgd-one-cycle")
+    captured = fit(captured_module, [callback], gradient_clip_val=0.5)
+    assert_same_runs(plain, captured, plain_module, captured_module)
+    s = callback.stats
+    assert (s.warmup_calls, s.captures, s.replays) == (3, 1, STEPS - 4), s
+
+
+@pytest.mark.parametrize("recipe", ["adamw", "sgd-one-cycle"])
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_gradient_accumulation_trains_like_plain_lightning(accumulate, recipe):
+    """Micro-batches that only accumulate get their own graph (Lightning calls its closure itself),
+    the one that steps another; the first of each window (zero_grad) its own too."""
+    options = {"gradient_clip_val": 0.5, "accumulate_grad_batches": accumulate}
+    plain_module = Net(recipe=recipe)
+    plain = fit(plain_module, [], **options)
+    callback = GraphStepCallback(config=graphstep.Config(backend="recording"))
+    captured_module = Net(recipe=recipe)
+    captured = fit(captured_module, [callback], **options)
+    assert_same_runs(plain, captured, plain_module, captured_module, batches=STEPS * accumulate)
+    s = callback.stats
+    kinds = 2 if accumulate == 2 else 3  # (accumulate, zero_grad), [(accumulate, none),] (step, none)
+    assert s.captures == kinds and s.replays > 0, s
+    # Every batch went through the captured step once: a warm-up, a capture or a replay.
+    assert s.warmup_calls + s.captures + s.replays == STEPS * accumulate, s
+
+
+def test_gradient_accumulation_on_the_eager_backend_trains_like_plain_lightning():
+    options = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+    plain_module, captured_module = Net(recipe="sgd-one-cycle"), Net(recipe="sgd-one-cycle")
+    plain = fit(plain_module, [], **options)
+    captured = fit(captured_module, [GraphStepCallback(config=graphstep.Config(backend="eager"))], **options)
+    assert_same_runs(plain, captured, plain_module, captured_module, batches=STEPS * 2)
 
 
 def test_scheduler_step_inside_a_manual_training_step_is_refused():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import graphstep
 
 PACKAGE = Path(graphstep.__file__).parent
@@ -142,3 +144,12 @@ def test_no_class_is_past_250_lines():
         if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > 250
     }
     assert not long, f"classes past 250 lines: {long}"
+
+
+def test_benchmark_results_hold_results_not_logs():
+    results = PACKAGE.parent.parent / "benchmarks" / "results"
+    if not results.is_dir():
+        pytest.skip("graphstep is installed without its repository")
+    kept = {".json", ".jsonl", ".md", ".png"}
+    others = sorted(p.name for p in results.iterdir() if p.suffix not in kept)
+    assert not others, f"benchmarks/results holds files that are not results: {others}"

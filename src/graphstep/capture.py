@@ -1,9 +1,9 @@
 """`graphstep.capture`: the public verb, and `CapturedStep`, the thin face that dispatches.
 
-A call is keyed by its input signature (see `signature.py`); each signature has its own
-`Lifecycle` (warm-up -> capture -> replay, variants, re-captures: `lifecycle.py`). Here: setting
-up on the first call (backend, ranks, optimizers), picking the lifecycle, the ranks' vote, and
-the fallback past `Config.max_graphs`.
+A call goes down, never back up: its input signature (`signature.py`) picks a `Lifecycle`
+(`lifecycle.py`: plan, the ranks' agreement, then warm-up, capture or replay), or an `Overflow`
+past `Config.max_graphs`; what all signatures share is set up once, on the first call, by
+`StepContext.open` (`step_context.py`). Here: the public surface, and that dispatch.
 """
 
 from __future__ import annotations
@@ -11,37 +11,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import distributed, teardown
 from . import signature as sig
-from .backends.base import Backend
-from .backends.cuda import CudaGraphBackend
-from .backends.eager import EagerBackend
-from .backends.recording import RecordingBackend
+from . import teardown
 from .config import Config
-from .diagnostics import (
-    StepStats,
-    changing_argument_message,
-    eager_fallback_message,
-    log,
-    too_many_graphs_message,
-)
-from .distributed.ranks import Agreement, Phase
+from .diagnostics import StepStats, changing_argument_message, log, too_many_graphs_message
 from .errors import ChangingArgumentError, ClosedError, GraphStepError, TooManyGraphsError
-from .guards.state_guard import bindings
-from .lifecycle import Lifecycle
-from .optim.adapter import OptimizerAdapter
+from .lifecycle import Lifecycle, Overflow
 from .signature import Signature
 from .state import TrainingState, as_list
-from .step_context import StepContext
+from .step_context import StepContext, shared_backend_of
 
-_ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
-_MAX_EAGER_KEYS = 1024  # signatures remembered (to warn once each) after an eager fallback
+_MAX_OVERFLOWS = 1024  # signatures past max_graphs remembered, to warn once each
 _CHURN_CALLS = 4  # calls in a row, each with a new value of one Python number argument, before saying so
 
 
@@ -101,7 +86,7 @@ class CapturedStep:
             optimizers=as_list(optimizer, torch.optim.Optimizer, "optimizer"),
         )
         self._lives: dict[Signature, Lifecycle] = {}
-        self._eager_keys: set[Signature] = set()
+        self._overflows: dict[Signature, Overflow] = {}
         self._new_in_a_row: list[Signature] = []
         """Signatures of the last calls, while each call brought a new one (see `_check_churn`)."""
         self._churn_warned = False
@@ -166,7 +151,7 @@ class CapturedStep:
         signature, leaves = Signature.of(args, kwargs)
         self._context_for(leaves)
         life = self._lifecycle(signature)
-        if life is None:
+        if isinstance(life, Overflow):
             raise TooManyGraphsError(self._too_many_message(signature))
         return sig.unflatten(signature.spec, life.inputs.like(leaves))
 
@@ -175,7 +160,7 @@ class CapturedStep:
         for life in self._lives.values():
             life.release()
         self._lives.clear()
-        self._eager_keys.clear()
+        self._overflows.clear()
         if self._ctx is not None and not self._closed:
             self._ctx.renew_pool_if_unused()
 
@@ -213,96 +198,56 @@ class CapturedStep:
         signature, leaves = Signature.of(args, kwargs)
         ctx = self._context_for(leaves)
         ctx.optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
-        life = self._lifecycle(signature)
-        if life is None:
-            if ctx.ranks is None:
-                return self._run_eager_fallback(signature, args, kwargs)
-            agreed = ctx.ranks.agree(Phase.EAGER, False, self._name)  # the others step eagerly too
-            with ctx.ranks.together(self._name, agreed, self._state.modules):
-                return self._run_eager_fallback(signature, args, kwargs)
-        plan = life.plan()
-        if ctx.ranks is None:
-            if plan.phase is Phase.REPLAY:
-                return life.act(plan, _ALONE, leaves, args, kwargs)
-            agreed = Agreement(plan.phase, None, 0 if plan.limited else None)
-            return life.act(plan, agreed, leaves, args, kwargs)
-        agreed = ctx.ranks.agree(plan.phase, plan.limited, self._name)  # all act on the least advanced
-        if agreed.phase is Phase.REPLAY:
-            return life.act(plan, agreed, leaves, args, kwargs)
-        with ctx.ranks.together(self._name, agreed, self._state.modules):  # collectives checked
-            return life.act(plan, agreed, leaves, args, kwargs)
-
-    def _run_eager_fallback(self, signature: Signature, args: tuple, kwargs: dict) -> Any:
-        """Past `max_graphs` with `on_too_many_graphs="eager"`: warn once per signature."""
-        if signature not in self._eager_keys and len(self._eager_keys) < _MAX_EAGER_KEYS:
-            self._eager_keys.add(signature)
-            message = eager_fallback_message(self._name, self.config.max_graphs, signature)
-            warnings.warn(message, stacklevel=4)
-            log.warning(message)
-        return self._ctx.run_eager(args, kwargs)
+        return self._lifecycle(signature).call(leaves, args, kwargs)
 
     def _context_for(self, leaves: list[torch.Tensor]) -> StepContext:
-        """Set up on the first call: ranks, the state found in the closure, backend, optimizers."""
-        if self._ctx is not None:
-            return self._ctx
-        ranks = distributed.ranks_for(self._process_group)  # first: it may refuse
-        # Modules and optimizers the step reaches through its closure or globals are state too.
-        found = self._state.discover((label, value) for label, _, value in bindings(self._fn))
-        self._generators += [g for g in found if not any(g is known for known in self._generators)]
-        optim = OptimizerAdapter(self._state.optimizers, allow_eager=self.config.optimizer_mode != "graph")
-        if self._share is not None:
-            if self._share._ctx is None:
-                raise GraphStepError(
-                    f"{self._name} shares the pool of {self._share._name}, which has not run yet: "
-                    "call that step once first."
-                )
-            backend = self._share._ctx.backend
-        else:
-            backend = choose_backend(self.config, leaves, self._state, self._name)
-        backend.users += 1
-        if ranks is not None and isinstance(backend, CudaGraphBackend):
-            distributed.check_nccl_graph_registration(ranks.group)
-        warmups = self.config.warmup_steps
-        if distributed.prepare_ddp(self._state.modules):
-            warmups = max(warmups, distributed.DDP_WARMUP_STEPS)
-        if backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
-            optim.prepare(getattr(backend, "device", "cpu"))
-        self._ctx = StepContext(
-            fn=self._fn,
-            name=self._name,
-            config=self.config,
-            state=self._state,
-            backend=backend,
-            optim=optim,
-            stats=self._stats,
-            generators=self._generators,
-            ranks=ranks,
-            warmups_needed=warmups,
-            graphs_alive=self._graphs_alive,
-        )
-        if self.config.optimizer_mode == "eager" and backend.static_buffers:
-            self._ctx.move_to_eager(list(self._state.optimizers), 'Config(optimizer_mode="eager")')
+        if self._ctx is None:
+            shared = None
+            if self._share is not None:
+                shared = shared_backend_of(self._name, self._share._name, self._share._ctx)
+            self._ctx = StepContext.open(
+                self._fn,
+                self._name,
+                self.config,
+                self._state,
+                leaves=leaves,
+                generators=self._generators,
+                shared_backend=shared,
+                process_group=self._process_group,
+                stats=self._stats,
+                graphs_alive=self._graphs_alive,
+            )
         return self._ctx
 
-    def _lifecycle(self, signature: Signature) -> Lifecycle | None:
-        """The lifecycle of `signature`, made if there is room; None means: run eagerly."""
-        life = self._lives.get(signature)
+    def _lifecycle(self, signature: Signature) -> Lifecycle | Overflow:
+        """The lifecycle of `signature`, made if there is room under `max_graphs`; past it, an
+        `Overflow` that runs the signature eagerly (or `TooManyGraphsError`)."""
+        life = self._lives.get(signature) or self._overflows.get(signature)
         if life is not None:
             if self._new_in_a_row:
                 self._new_in_a_row.clear()
             return life
         self._check_churn(signature)
-        if len(self._lives) >= self.config.max_graphs:
-            if self.config.on_too_many_graphs == "raise":
-                raise TooManyGraphsError(self._too_many_message(signature))
-            return None
-        life = self._lives[signature] = Lifecycle(self._ctx, signature)
-        return life
+        if len(self._lives) < self.config.max_graphs:
+            life = self._lives[signature] = Lifecycle(self._ctx, signature)
+            return life
+        if self.config.on_too_many_graphs == "raise":
+            raise TooManyGraphsError(self._too_many_message(signature))
+        # Remembered (to warn once each) up to a bound: a step called with ever new signatures
+        # must not grow without end.
+        remember = len(self._overflows) < _MAX_OVERFLOWS
+        overflow = Overflow(self._ctx, signature, warn=remember, stacklevel=5)  # the user's call
+        if remember:
+            self._overflows[signature] = overflow
+        return overflow
+
+    def _graphs_alive(self) -> int:
+        return sum(life.graphs() for life in self._lives.values())
 
     def _check_churn(self, signature: Signature) -> None:
         """A Python number argument with a new value on each of the last few calls (an iteration
         index) would warm up a graph per value and spend `max_graphs` without replaying once: say
-        so after a few, naming the argument."""
+        so after a few, naming the argument, before this call runs."""
         run = self._new_in_a_row
         run.append(signature)
         needed = max(2, min(_CHURN_CALLS, self.config.max_graphs + 1))
@@ -318,35 +263,5 @@ class CapturedStep:
             self._churn_warned = True
             log.warning(message)
 
-    def _graphs_alive(self) -> int:
-        return sum(life.graphs() for life in self._lives.values())
-
     def _too_many_message(self, signature: Signature) -> str:
         return too_many_graphs_message(self._name, self.config.max_graphs, list(self._lives), signature)
-
-
-def choose_backend(config: Config, leaves: list[torch.Tensor], state: TrainingState, name: str) -> Backend:
-    """The backend a step runs on, from the config and where its tensors live."""
-    if config.backend == "eager":
-        return EagerBackend()
-    if config.backend == "recording":
-        return RecordingBackend()
-    devices = {t.device for t in leaves} | state.devices()
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-    if len({d.index for d in cuda}) > 1:
-        raise GraphStepError(
-            f"{name}'s tensors are on several CUDA devices ({', '.join(map(str, cuda))}); one captured step "
-            "runs on one device. Use one process per GPU (DDP, FSDP) instead."
-        )
-    if cuda and torch.cuda.is_available():
-        return CudaGraphBackend(cuda[0])
-    if config.backend == "cuda":
-        raise GraphStepError(
-            f'Config(backend="cuda") but {name} has no CUDA tensors (inputs, model= or optimizer=) '
-            f"or CUDA is not available (torch.cuda.is_available() = {torch.cuda.is_available()})."
-        )
-    reason = "CUDA is not available" if not torch.cuda.is_available() else "the step's tensors are on the CPU"
-    if not devices:
-        reason = "graphstep sees no tensors (pass model=, optimizer= or tensor arguments)"
-    log.info("graphstep: %s, so %s runs eagerly (same API and checks, no graphs).", reason, name)
-    return EagerBackend()

@@ -20,6 +20,11 @@ class PythonWriteError(CaptureError):
     appends to): a replay runs no Python, so it would never write it again. The writes were undone."""
 
 
+class HostRandomError(CaptureError):
+    """The step drew random numbers on the host while it was captured (Python's `random`, NumPy,
+    a CPU `torch.Generator`): every replay would repeat that one draw."""
+
+
 class TooManyGraphsError(GraphStepError):
     """More distinct input signatures than `Config.max_graphs` allows."""
 

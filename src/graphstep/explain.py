@@ -3,10 +3,11 @@
 Runs the step once eagerly as a dry run (its writes, grads, optimizer state and RNG are taken
 back afterwards) and reports: which inputs are copied into static buffers and which Python
 values become part of the graph's key, which state the guards will watch, and the hazards it
-finds: host syncs (with the user's line), CPU tensors next to GPU ones, module hooks (they run
-only at capture), optimizers that are not capturable, numbers in the key that may change,
-objects the step's code reads whose contents no guard watches (a dict or a plain object of
-settings), and Python state the step itself writes (a replay does not write it).
+finds: host syncs and random draws on the host (with the user's line), CPU tensors next to GPU
+ones, module hooks (they run only at capture), optimizers that are not capturable, numbers in
+the key that may change, objects the step's code reads whose contents no guard watches (a dict
+or a plain object of settings), and Python state the step itself writes (a replay does not
+write it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import signature as sig
 from .backends.undo import UndoLog
 from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
+from .effects import draw_advice, host_random
 from .guards.barriers import is_simple
 from .guards.reads import ReadGuard, Reads, ReadWatch
 from .guards.state_guard import bindings, named_state_tensors
@@ -114,8 +116,8 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
 
     reads = Reads.of_function(fn)
     if backend.static_buffers:
-        syncs, reads = _dry_run(step, backend, args, kwargs)
-        hazards += [f"host sync at {site}" for site in syncs]
+        syncs, reads, draws = _dry_run(step, backend, args, kwargs)
+        hazards += [f"host sync at {site}" for site in syncs] + draws
     read_guard = ReadGuard(reads)
     hazards += _read_hazards(state, reads, read_guard)
 
@@ -172,15 +174,24 @@ def _named(prefix: str, root: Any) -> list[tuple[str, Any]]:
     return [((f"{prefix}.{name}" if name else prefix), m) for name, m in root.named_modules()]
 
 
-def _dry_run(step: CapturedStep, backend: Any, args: tuple, kwargs: dict) -> tuple[list[str], Reads]:
-    """Run the step once eagerly, note its host syncs and what its Python reads, and take
-    everything it did to tensors back."""
+def _dry_run(
+    step: CapturedStep, backend: Any, args: tuple, kwargs: dict
+) -> tuple[list[str], Reads, list[str]]:
+    """Run the step once eagerly, note its host syncs, its host random draws and what its Python
+    reads, and take everything it did to tensors and generators back."""
     refs = Snapshot.take(step._state, backend.cuda_devices)
     undo = UndoLog()
+    draws = host_random.HostRandomWatch(
+        step._name,
+        "cuda" if backend.cuda_devices else "cpu",
+        host_random.reach_of(step._fn, args, kwargs),
+        refuse=False,
+        restore=True,
+    )
     try:
-        with HostSyncWatch(cuda=backend.name == "cuda") as watch, ReadWatch() as reads, undo:
+        with HostSyncWatch(cuda=backend.name == "cuda") as watch, ReadWatch() as reads, draws, undo:
             step._fn(*args, **kwargs)
     finally:
         undo.roll_back()
         refs.restore()
-    return watch.sites, reads.reads
+    return watch.sites, reads.reads, [draw_advice.hazard(d) for d in draws.draws]

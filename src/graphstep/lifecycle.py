@@ -10,8 +10,9 @@ storage moved, an object rebound) *re-capture* instead: the graphs go, and the c
 towards `Config.max_recaptures`. A changed hyperparameter that an optimizer bakes in moves that
 optimizer to an eager segment (see `backends/segments.py`) once, in `optimizer_mode="auto"`.
 
-Each call goes plan (what this rank would do) -> agreement (what all ranks do, see
-`distributed/`) -> act.
+Each call (`Lifecycle.call`) goes plan (what this rank would do) -> agreement (what all ranks
+do, see `distributed/`) -> act. A signature past `Config.max_graphs` gets an `Overflow`, which
+runs every call eagerly.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from .backends import segments
 from .backends.base import PartsRecording, Recording
 from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
-from .diagnostics import capture_error, log, stale_message
+from .diagnostics import capture_error, eager_fallback_message, log, stale_message
 from .distributed.ranks import Agreement, Phase
+from .effects import host_random
 from .errors import GraphStepError, StaleGraphError
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard, trainable
@@ -74,6 +76,7 @@ class Plan:
 
 
 _REPLAY = Plan(Phase.REPLAY, "replay")  # most calls: made once
+_ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
 
 
 class Lifecycle:
@@ -94,6 +97,23 @@ class Lifecycle:
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
 
+    def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
+        """One call of this signature: plan what this rank would do, agree with the other ranks (all
+        act on the least advanced phase; collectives are checked while any rank runs Python), act."""
+        plan = self.plan()
+        ranks = self.ctx.ranks
+        if ranks is None:
+            if plan.phase is Phase.REPLAY:
+                return self.act(plan, _ALONE, leaves, args, kwargs)
+            return self.act(
+                plan, Agreement(plan.phase, None, 0 if plan.limited else None), leaves, args, kwargs
+            )
+        agreed = ranks.agree(plan.phase, plan.limited, self.ctx.name)
+        if agreed.phase is Phase.REPLAY:
+            return self.act(plan, agreed, leaves, args, kwargs)
+        with ranks.together(self.ctx.name, agreed, self.ctx.state.modules):
+            return self.act(plan, agreed, leaves, args, kwargs)
+
     # -- plan -----------------------------------------------------------------------------------
 
     def plan(self) -> Plan:
@@ -106,7 +126,7 @@ class Lifecycle:
             # has optimizer state still to be created, which a capture would bake in.
             ready = self.warmups >= ctx.warmups_needed and trainable(ctx.state) == self.trainable
             return Plan(Phase.CAPTURE, "capture") if ready else Plan(Phase.EAGER, "warm")
-        if current.modes_epoch != ctx.modes_epoch:
+        if current.modes_epoch != ctx.modes.epoch:
             return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
         if current.guard is None or current.guard.holds():
             return _REPLAY
@@ -115,7 +135,7 @@ class Lifecycle:
             return _REPLAY
         texts = tuple(getattr(c, "text", c) for c in changes)
         for variant in self.variants:
-            if variant is not current and variant.modes_epoch == ctx.modes_epoch and variant.guard.holds():
+            if variant is not current and variant.modes_epoch == ctx.modes.epoch and variant.guard.holds():
                 self.current = variant
                 ctx.stats.variant_switches += 1
                 return _REPLAY
@@ -126,9 +146,9 @@ class Lifecycle:
             # created lazily (a layer unfrozen): a capture now would record that first step forever.
             # Warm up once more first.
             return Plan(Phase.EAGER, "rewarm", texts)
-        movable = ctx.optimizers_to_move(changes)
+        movable = ctx.modes.movable(changes)
         if movable:
-            ctx.move_to_eager(
+            ctx.modes.move_to_eager(
                 movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts)
             )
             return Plan(Phase.CAPTURE, "switch", texts)
@@ -194,7 +214,7 @@ class Lifecycle:
         with (
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
-            segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+            segments.optimizer_steps_as_segments(ctx.modes.eager),
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
         self.segment_results = watch.seen
@@ -237,47 +257,13 @@ class Lifecycle:
                 self.inputs.load(leaves)
             every = ctx.config.verify_every
             if verify and every and (ctx.stats.replays + 1) % every == 0:
-                outputs = self._verified_replay(leaves, args, kwargs)
+                outputs = _verified_replay(self, leaves, args, kwargs)
             else:
                 outputs = variant.recording.replay(args, kwargs)
             result = self.deliver(outputs)
         ctx.stats.replays += 1
         ctx.stats.replay_s += time.perf_counter() - start
         return result
-
-    def _verified_replay(self, leaves: list, args: tuple, kwargs: dict) -> Any:
-        ctx = self.ctx
-        # The reference run reads the same static buffers the replay will.
-        buffers = self.inputs.tensors
-        inputs = sig.unflatten(self.signature.spec, buffers) if buffers else (args, kwargs)
-        if ctx.config.verify_against == "capture":
-            reference = functools.partial(self._fresh_capture_run, leaves, *inputs)
-        else:
-            reference = functools.partial(ctx.backend.warmup, ctx.fn, *inputs, in_pool=False)
-        return verify(
-            ctx.state,
-            ctx.fn,
-            ctx.backend.cuda_devices,
-            run_reference=reference,
-            replay=lambda: self.current.recording.replay(args, kwargs),
-            tolerance=ctx.config.verify_tolerance,
-        )
-
-    def _fresh_capture_run(self, leaves: list, args: tuple, kwargs: dict) -> Any:
-        """Capture this call afresh from the current state and run it once (`verify_against=
-        "capture"`): a graph that baked a stale value differs from it, while a library's
-        capture-only code path (transformers') is taken by both."""
-        stats = self.ctx.stats
-        kept_current, kept, counted = self.current, list(self.variants), dataclasses.astuple(stats)
-        try:
-            return self.capture(leaves, args, kwargs, replaced=[])
-        finally:
-            fresh = self.current
-            self.variants, self.current = kept, kept_current
-            for field, value in zip(dataclasses.fields(stats), counted):
-                setattr(stats, field.name, value)  # a check, not a step: the counters stay as they were
-            if fresh is not kept_current:
-                fresh.recording.release()
 
     # -- outputs --------------------------------------------------------------------------------
 
@@ -323,25 +309,84 @@ class Lifecycle:
         return [oldest]
 
 
+def _verified_replay(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
+    """A replay checked against a reference run of the same step (`Config(verify_every=N)`)."""
+    ctx = life.ctx
+    # The reference run reads the same static buffers the replay will.
+    buffers = life.inputs.tensors
+    inputs = sig.unflatten(life.signature.spec, buffers) if buffers else (args, kwargs)
+    if ctx.config.verify_against == "capture":
+        reference = functools.partial(_fresh_capture_run, life, leaves, *inputs)
+    else:
+        reference = functools.partial(ctx.backend.warmup, ctx.fn, *inputs, in_pool=False)
+    return verify(
+        ctx.state,
+        ctx.fn,
+        ctx.backend.cuda_devices,
+        run_reference=reference,
+        replay=lambda: life.current.recording.replay(args, kwargs),
+        tolerance=ctx.config.verify_tolerance,
+    )
+
+
+def _fresh_capture_run(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
+    """Capture this call afresh from the current state and run it once (`verify_against=
+    "capture"`): a graph that baked a stale value differs from it, while a library's
+    capture-only code path (transformers') is taken by both."""
+    stats = life.ctx.stats
+    kept_current, kept, counted = life.current, list(life.variants), dataclasses.astuple(stats)
+    try:
+        return life.capture(leaves, args, kwargs, replaced=[])
+    finally:
+        fresh = life.current
+        life.variants, life.current = kept, kept_current
+        for field, value in zip(dataclasses.fields(stats), counted):
+            setattr(stats, field.name, value)  # a check, not a step: the counters stay as they were
+        if fresh is not kept_current:
+            fresh.recording.release()
+
+
+class Overflow:
+    """A signature past `Config.max_graphs` with `on_too_many_graphs="eager"`: every call runs
+    eagerly, and the other ranks step eagerly with it. Warns once, when made with `warn=True`."""
+
+    def __init__(self, ctx: StepContext, signature: Signature, *, warn: bool, stacklevel: int):
+        self.ctx = ctx
+        if warn:
+            message = eager_fallback_message(ctx.name, ctx.config.max_graphs, signature)
+            warnings.warn(message, stacklevel=stacklevel)
+            log.warning(message)
+
+    def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
+        ranks = self.ctx.ranks
+        if ranks is None:
+            return self.ctx.run_eager(args, kwargs)
+        agreed = ranks.agree(Phase.EAGER, False, self.ctx.name)
+        with ranks.together(self.ctx.name, agreed, self.ctx.state.modules):
+            return self.ctx.run_eager(args, kwargs)
+
+
 def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results: list) -> Variant:
     """Capture the step for a call with these (static) arguments; every rank agrees it succeeded.
     On failure the model, optimizer and RNG are put back as they were and the error raised."""
     backend = ctx.backend
     start = time.perf_counter()
-    ctx.choose_optimizer_modes()
+    ctx.modes.choose_before_capture(ctx.state.optimizers)
     snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
     captured: dict[str, Any] = {}
     params = ctx.state.parameters()
     # Python effects of the step's own code (writes to state that outlives the call): refused at
     # capture, after the step ran (so that a backend undoes its tensor writes too), and undone.
-    python = effects.watch_capture(
+    python = effects.watch_writes(
         ctx.name, allow_writes=ctx.config.allow_python_writes, graphs=backend.static_buffers
     )
 
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
+            # Host random draws are refused, the generators put back (eager segments may draw).
+            host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
             segments.capturing(splitter, params, segment_results) as session,
-            segments.optimizer_steps_as_segments(ctx.eager_optimizers),
+            segments.optimizer_steps_as_segments(ctx.modes.eager),
             python,
         ):
             outputs = ctx.fn(*a, **k)
@@ -372,6 +417,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     if isinstance(recording, PartsRecording):
         recording.segments = captured["segments"]
         recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
+        recording.host_draws = captured.get("host_draws", [])
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     guard = None
     if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
@@ -381,7 +427,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             strict=ctx.config.check == "strict",
             grads_before=snapshot.grads,
             reads=watch.reads,
-            eager_optimizers=ctx.eager_optimizers,
+            eager_optimizers=ctx.modes.eager,
             unbaked=ctx.optim.can_stay_in_graph,
         )
     if isinstance(backend, CudaGraphBackend):
@@ -389,7 +435,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     ctx.stats.captures += 1
     ctx.stats.capture_s += time.perf_counter() - start
     return Variant(
-        recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes_epoch
+        recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes.epoch
     )
 
 

@@ -1,6 +1,6 @@
-"""`StepContext`: what every input signature of one captured step shares: the step function, its
-config, training state, backend, optimizer adapter, counters and ranks, and where each optimizer's
-`step()` runs (inside the graphs, or as an eager segment between them)."""
+"""`StepContext`: what every input signature of one captured step shares, set up on its first call:
+the step function, its config, training state, backend, optimizers (adapter and modes), counters and
+ranks."""
 
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from . import signature as sig
-from .backends.base import Backend
+from .backends import Backend, CudaGraphBackend
+from .backends.choice import choose_backend
 from .config import Config
-from .diagnostics import StepStats, log
-from .distributed.ranks import Ranks
-from .optim.adapter import OptimizerAdapter
+from .diagnostics import StepStats
+from .distributed import Ranks
+from .errors import GraphStepError
+from .guards import bindings
+from .optim import OptimizerAdapter
+from .optim.modes import OptimizerModes
 from .state import TrainingState
 
 
@@ -29,15 +34,62 @@ class StepContext:
     state: TrainingState
     backend: Backend
     optim: OptimizerAdapter
+    modes: OptimizerModes
+    """Which optimizers' `step()` runs as an eager segment between graph replays."""
     stats: StepStats
     generators: list[torch.Generator]
     ranks: Ranks | None
     warmups_needed: int
     graphs_alive: Callable[[], int]
-    eager_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
-    """Optimizers whose `step()` runs as an eager segment between graph replays."""
-    modes_epoch: int = 0
-    """Bumped when an optimizer moves to an eager segment: graphs captured before are out of date."""
+
+    @classmethod
+    def open(
+        cls,
+        fn: Callable,
+        name: str,
+        config: Config,
+        state: TrainingState,
+        *,
+        leaves: list[torch.Tensor],
+        generators: list[torch.Generator],
+        shared_backend: Backend | None,
+        process_group: Any,
+        stats: StepStats,
+        graphs_alive: Callable[[], int],
+    ) -> StepContext:
+        """Set up on the first call: ranks (first: they may refuse), the state found in the step's
+        closure and globals, the backend (`shared_backend`: another step's), the optimizers."""
+        ranks = distributed.ranks_for(process_group)
+        found = state.discover((label, value) for label, _, value in bindings(fn))
+        generators = generators + [g for g in found if not any(g is known for known in generators)]
+        optim = OptimizerAdapter(state.optimizers, allow_eager=config.optimizer_mode != "graph")
+        backend = shared_backend or choose_backend(config, leaves, state, name)
+        backend.users += 1
+        if ranks is not None and isinstance(backend, CudaGraphBackend):
+            distributed.check_nccl_graph_registration(ranks.group)
+        warmups = config.warmup_steps
+        if distributed.prepare_ddp(state.modules):
+            warmups = max(warmups, distributed.DDP_WARMUP_STEPS)
+        # The eager backend runs every optimizer step eagerly already: nothing moves to a segment.
+        modes = OptimizerModes(optim, config.optimizer_mode if backend.static_buffers else "graph", name)
+        if backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
+            optim.prepare(getattr(backend, "device", "cpu"))
+            if config.optimizer_mode == "eager":
+                modes.move_to_eager(state.optimizers, 'Config(optimizer_mode="eager")')
+        return cls(
+            fn=fn,
+            name=name,
+            config=config,
+            state=state,
+            backend=backend,
+            optim=optim,
+            modes=modes,
+            stats=stats,
+            generators=generators,
+            ranks=ranks,
+            warmups_needed=warmups,
+            graphs_alive=graphs_alive,
+        )
 
     def pool_is_free(self) -> bool:
         """Warm up inside the pool only while no graph uses it (see `Backend.warmup`)."""
@@ -47,57 +99,15 @@ class StepContext:
         if self.pool_is_free():
             self.backend.renew_pool()
 
-    def move_to_eager(self, optimizers: list[torch.optim.Optimizer], why: str) -> None:
-        for opt in optimizers:
-            if not any(opt is o for o in self.eager_optimizers):
-                self.eager_optimizers.append(opt)
-                log.warning(
-                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on; no re-capture "
-                    "will be needed when its hyperparameters change again. Why: %s",
-                    self.name,
-                    type(opt).__qualname__,
-                    why,
-                )
-        self.modes_epoch += 1
-
-    def choose_optimizer_modes(self) -> None:
-        """Before a capture, in `optimizer_mode="auto"`: an optimizer whose step will differ from
-        what a graph bakes runs as an eager segment from the start, rather than after a capture
-        that its first change would throw away. That is one whose step reads the host every call,
-        one whose state holds Python numbers (a custom optimizer's step counter, which no graph
-        would update), and one with a scheduler attached (torch's schedulers add `initial_lr`, and
-        `base_momentum` when they cycle momentum) that changes a value it bakes."""
-        if self.config.optimizer_mode != "auto" or not self.backend.static_buffers:
-            return  # the eager backend runs every step eagerly already
-        for opt in self.state.optimizers:
-            if any(opt is o for o in self.eager_optimizers):
-                continue
-            why = self.optim.eager_only(opt)
-            if not why and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values()):
-                why = "its state holds Python numbers, which a graph would freeze"
-            for key in _scheduled_keys(opt):
-                if not why and not self.optim.can_stay_in_graph(opt, key):
-                    why = f"a scheduler changes {key!r}, which it reads as a Python number"
-            if why:
-                self.move_to_eager([opt], why)
-
-    def optimizers_to_move(self, changes: list) -> list[torch.optim.Optimizer]:
-        """Optimizers whose baked hyperparameters are among `changes` and that may move to an
-        eager segment (`optimizer_mode="auto"`)."""
-        if self.config.optimizer_mode != "auto":
-            return []
-        found = [getattr(c, "optimizer", None) for c in changes]
-        return [opt for opt in found if opt is not None]
-
     def run_eager(self, args: tuple, kwargs: dict) -> Any:
         self.stats.eager_calls += 1
         return sig.detached(self.fn(*args, **kwargs))
 
 
-def _scheduled_keys(opt: torch.optim.Optimizer) -> list[str]:
-    """The keys a torch LR scheduler attached to `opt` will change (see `choose_optimizer_modes`)."""
-    group = opt.param_groups[0] if opt.param_groups else {}
-    keys = ["lr"] if "initial_lr" in group else []
-    if "base_momentum" in group:  # OneCycleLR / CyclicLR with cycle_momentum=True
-        keys.append("momentum" if "momentum" in group else "betas[0]")
-    return keys
+def shared_backend_of(step_name: str, other_name: str, other_ctx: StepContext | None) -> Backend:
+    """The backend of the step whose pool `step_name` shares (`share_pool_with`)."""
+    if other_ctx is None:
+        raise GraphStepError(
+            f"{step_name} shares the pool of {other_name}, which has not run yet: call that step once first."
+        )
+    return other_ctx.backend

@@ -47,6 +47,9 @@ class PartsRecording:
         """`.grad`s as the capture left them, put back after every replay: the grads a step leaves
         attached (its optimizer runs outside it) that the user set to None since; with segments,
         which attach the grads they read, every parameter's."""
+        self.host_draws: list[Callable[[], None]] = []
+        """Host random draws whose values the step ignores, redone after every replay so that the
+        host generators advance as eager's do (see `effects/host_random.py`)."""
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
         parts = self.parts
@@ -54,6 +57,8 @@ class PartsRecording:
             parts[0]()
             for p, g in self.grads_after:  # grads the step leaves attached, set to None since
                 p.grad = g
+            for draw in self.host_draws:
+                draw()
             return self.outputs
         for part, segment in zip(parts, self.segments):
             part()
@@ -61,12 +66,15 @@ class PartsRecording:
         parts[-1]()
         for p, g in self.grads_after:
             p.grad = g
+        for draw in self.host_draws:
+            draw()
         return self.outputs
 
     def release(self) -> None:
         if self.parts:
             self._release()
         self.parts, self.segments, self.grads_after, self.outputs = [], [], [], None
+        self.host_draws = []
 
 
 CaptureBody = Callable[[Splitter], Any]

@@ -8,7 +8,9 @@ graphs of a step live in its one memory pool; tensors passed from one part to th
 the addresses they had at capture.
 
 A segment is any function called through `run` (the public face is `graphstep.eager_segment`);
-an optimizer in eager mode gets its `step` routed through it during capture. Outside a capture
+an optimizer in eager mode gets its `step` routed through it during capture. A step called with a
+closure (`opt.step(closure)`, as Lightning calls it) keeps the closure in the graph and makes only
+the update the segment (`optimizer_steps_as_segments`). Outside a capture
 (warm-up, eager backend) `run` simply calls the function. During a capture:
 
 - the function is not run (a CUDA capture executes nothing): the segment is recorded with its
@@ -222,10 +224,17 @@ def eager_segment(fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
-    """While warming up or capturing: route each of `optimizers`' `step()` through an eager segment."""
+    """While warming up or capturing: route each of `optimizers`' `step()` through an eager segment.
+
+    A step called with a closure (Lightning always passes one) is split where torch's own step
+    splits it: the closure (forward, backward, clipping: the bulk of the work) runs in the graph
+    before the segment, and the update is the segment, which returns the closure's loss from the
+    graph. That is exact for an optimizer whose step calls the closure once, first, under
+    `enable_grad` (every torch.optim optimizer but LBFGS, which graphstep refuses); one that calls
+    it again is stopped with a `CaptureError` (see `_OneEvaluation`)."""
     for opt in optimizers:
         step = opt.step
-        opt.step = functools.partial(_segment_step, step, f"{type(opt).__qualname__}.step")
+        opt.step = functools.partial(_segment_step, opt, step, f"{type(opt).__qualname__}.step")
     try:
         yield
     finally:
@@ -233,10 +242,88 @@ def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iter
             opt.__dict__.pop("step", None)
 
 
-def _segment_step(step: Callable, name: str, *args: Any, **kwargs: Any) -> None:
-    if args or kwargs.get("closure") is not None:
-        raise GraphStepError(
-            f"{name} was called with a closure inside a captured step: run such an optimizer outside "
-            "the captured step."
+_AMP_ATTRIBUTES = ("grad_scale", "found_inf")
+"""What GradScaler.step sets on a fused optimizer for the one step() call (and deletes after it)."""
+
+
+def _segment_step(
+    opt: torch.optim.Optimizer, step: Callable, name: str, closure: Callable | None = None, **kwargs: Any
+) -> Any:
+    if not isinstance(_active(), _Capture):  # warm-up: the real step, eagerly, as torch runs it
+        if closure is None:
+            return step(**kwargs)
+        evaluation = _OneEvaluation(name, closure, again=True)
+        result = step(evaluation, **kwargs)
+        evaluation.check_called()  # after the step: a failed check leaves what eager leaves
+        return result
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():  # as torch's step calls it
+            loss = closure()
+    # GradScaler hands a fused optimizer its scale and inf flag as attributes for this one call:
+    # a replay runs the segment without GradScaler around it, so the segment sets them itself (the
+    # tensors the graph computes them into).
+    amp = {key: opt.__dict__[key] for key in _AMP_ATTRIBUTES if key in opt.__dict__}
+    run(_update, (opt, step, name, closure is not None, loss, kwargs, amp), {}, name, returns_none=True)
+    return loss
+
+
+def _update(
+    opt: torch.optim.Optimizer, step: Callable, name: str, closed: bool, loss: Any, kwargs: dict, amp: dict
+) -> None:
+    """The segment of an optimizer step: the update (handed the loss the graph computed, if the step
+    was called with a closure), with GradScaler's attributes as at capture."""
+    before = {key: opt.__dict__[key] for key in amp if key in opt.__dict__}
+    opt.__dict__.update(amp)
+    try:
+        if not closed:
+            step(**kwargs)
+            return
+        evaluation = _OneEvaluation(name, lambda: loss)
+        step(evaluation, **kwargs)
+        evaluation.check_called()
+    finally:
+        for key in amp:
+            if key in before:
+                opt.__dict__[key] = before[key]
+            else:
+                opt.__dict__.pop(key, None)
+
+
+class _OneEvaluation:
+    """A step's closure that counts its calls: a graph evaluates it once, and cannot again.
+
+    `again`: a second call evaluates it again (an eager warm-up, which `check_called` reports
+    after the step); otherwise (a replay, where the graph computed the loss) it raises at once."""
+
+    def __init__(self, name: str, closure: Callable, *, again: bool = False):
+        self.name = name
+        self.closure = closure
+        self.again = again
+        self.calls = 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        if self.calls > 1 and not self.again:
+            raise self._error("called its closure a second time in one step")
+        return self.closure()
+
+    def check_called(self) -> None:
+        if self.calls > 1:
+            raise self._error(f"called its closure {self.calls} times in one step")
+        if self.calls == 0:
+            raise CaptureError(
+                f"{self.name} was called with a closure and did not call it. Inside a captured step "
+                "graphstep runs the closure before the optimizer's update, as torch's optimizers do; "
+                "an optimizer that skips it would see gradients it never computed. Call the closure "
+                "before the step and call step() without one."
+            )
+
+    def _error(self, what: str) -> CaptureError:
+        return CaptureError(
+            f"{self.name} {what}. Inside a captured step the closure (forward, backward) runs once, in "
+            "the graph, and the optimizer's update runs eagerly after it, so an optimizer that "
+            "re-evaluates the loss (LBFGS, a line search, SAM) cannot run there. Run that optimizer "
+            "without graphstep, or use one whose step calls the closure once (every torch.optim "
+            "optimizer but LBFGS)."
         )
-    run(step, (), {}, name, returns_none=True)

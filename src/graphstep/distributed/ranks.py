@@ -1,4 +1,4 @@
-"""Distributed steps: the ranks of a process group warm up, capture and re-capture together.
+"""`Ranks`: the ranks of a process group agree, call by call, on the phase they act on together.
 
 A captured step holds collectives (DDP's all-reduce, FSDP2's all-gather and reduce-scatter,
 tensor parallelism's all-reduce). If one rank replayed its graph while another ran the step

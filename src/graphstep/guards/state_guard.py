@@ -1,4 +1,4 @@
-"""Guards: a replay never silently differs from eager.
+"""`StateGuard`: one graph's guard over everything its replay silently depends on.
 
 A CUDA graph remembers addresses and Python numbers. `StateGuard` records, when a graph is
 captured, everything the replay silently depends on, and before every replay checks it still

@@ -14,7 +14,16 @@ Lightning drives a step differently in its two modes, and the callback captures 
   step feeds it the batch graphstep passes in (the graph's static input buffers at capture) and, after
   a replay, hands the closure the replay's outputs, so `training_step`'s returned loss reaches
   `on_train_batch_end` as usual. Schedulers from `configure_optimizers` are stepped by Lightning
-  between calls, as without graphstep.
+  between calls, as without graphstep. An optimizer whose step runs as an eager segment (SGD with a
+  schedule, a OneCycleLR that cycles AdamW's betas, Adagrad on a GPU) gets Lightning's closure too: the
+  closure runs in the graph and the update between replays (see `backends/segments.py`).
+- **Gradient accumulation** (`accumulate_grad_batches > 1`, automatic optimization). On a micro-batch
+  that only accumulates, Lightning calls its closure itself (training_step, backward, no step): the
+  callback routes that call through the same captured step. What Lightning decides in Python before
+  the call (accumulate or step; `zero_grad` first, on the first micro-batch of a window) is a static
+  argument of the captured step, so each kind of micro-batch gets its own graph: two for
+  `accumulate_grad_batches=2`, three from 3 on. The gradients one graph leaves are the ones the next
+  accumulates into.
 - **Manual optimization.** Lightning calls `training_step` directly; it calls `manual_backward` and
   `optimizer.step()` itself. The callback replaces `training_step` by a captured one and, after a
   replay, advances Lightning's optimizer-step counter (`trainer.global_step`) by the steps the
@@ -31,9 +40,8 @@ logged as it was when the step's code last ran.
 current index in arithmetic, and a Python `if batch_idx ...` synchronises with the host, which
 graphstep reports instead of replaying one branch forever.
 
-What does not work (each raises a `GraphStepError` saying so, unless noted): `accumulate_grad_batches
-> 1` (put the micro-batches inside one `training_step` instead); hooks with Python side effects inside
-the step (`on_before_backward`, `on_after_backward`, `on_before_optimizer_step`, an overridden
+What does not work (each raises a `GraphStepError` saying so, unless noted): hooks with Python side
+effects inside the step (`on_before_backward`, `on_after_backward`, `on_before_optimizer_step`, an overridden
 `optimizer_step`) run only while the step's code runs, not on replays (not detected); strategies that
 wrap the module (DDP, FSDP) on CUDA, since Lightning builds DDP on the default stream (graphstep's
 `CaptureError` says so; the eager backend works); 16-bit precision with a non-fused optimizer (its
@@ -121,27 +129,23 @@ class _GraphStepLogic:
     # -- Lightning hooks ---------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise GraphStepError(
-                f"GraphStepCallback: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) runs "
-                "a backward without an optimizer step on most batches, outside any graph, so the captured "
-                "step would find new gradient tensors every time. Accumulate inside one step instead: "
-                "loop over micro-batches in training_step (or make the batch larger), and use "
-                "accumulate_grad_batches=1."
-            )
         self._module = pl_module
         self._training_step = pl_module.training_step
         optimizers = list(trainer.optimizers)
         if pl_module.automatic_optimization:
             self._optimizer_step = pl_module.optimizer_step
             pl_module.optimizer_step = self._automatic_optimizer_step
+            loop = trainer.fit_loop.epoch_loop.automatic_optimization
+            loop._make_closure = self._routing_closures(loop._make_closure)
             fn = self._run_automatic
         else:
             fn = self._run_manual
         pl_module.training_step = self._captured_training_step
 
-        def training_step(batch: Any, batch_idx: torch.Tensor) -> tuple[Any, dict[str, torch.Tensor]]:
-            return fn(batch, batch_idx)
+        def training_step(
+            batch: Any, batch_idx: torch.Tensor, kind: tuple = ()
+        ) -> tuple[Any, dict[str, torch.Tensor]]:
+            return fn(batch, batch_idx, kind)
 
         training_step.__qualname__ = f"{type(pl_module).__name__}.training_step"  # how graphstep names it
         self.step = capture(training_step, model=pl_module, optimizer=optimizers, config=self.config)
@@ -161,6 +165,9 @@ class _GraphStepLogic:
     def _restore(self, pl_module: Any) -> None:
         for name in ("training_step", "optimizer_step"):
             pl_module.__dict__.pop(name, None)  # back to the class's method
+        trainer = getattr(pl_module, "_trainer", None)
+        if trainer is not None:
+            trainer.fit_loop.epoch_loop.automatic_optimization.__dict__.pop("_make_closure", None)
         if self.step is not None:
             self.stats = self.step.stats
             self.step.close()
@@ -171,9 +178,22 @@ class _GraphStepLogic:
     def _automatic_optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any) -> None:
         self._automatic_call = (epoch, batch_idx, optimizer, closure)
         try:
-            output, logged = self._call_step()
+            output, logged = self._call_step(("step", *_closure_kind(closure)))
         finally:
             self._automatic_call = None
+        self._hand_back(closure, output, logged)
+
+    def _accumulate(self, closure: Any) -> Any:
+        """Lightning called its closure itself: a micro-batch that only accumulates gradients."""
+        self._automatic_call = (None, None, None, closure)
+        try:
+            output, logged = self._call_step(("accumulate", *_closure_kind(closure)))
+        finally:
+            self._automatic_call = None
+        self._hand_back(closure, output, logged)
+        return closure._result.loss
+
+    def _hand_back(self, closure: Any, output: Any, logged: dict[str, torch.Tensor]) -> None:
         # The closure consumed after this hook must hold this call's loss, also after a replay (when
         # the closure never ran) and after a capture (when it holds the capture's own tensors).
         result_cls = sys.modules[type(closure).__module__].ClosureResult
@@ -182,16 +202,37 @@ class _GraphStepLogic:
         )
         self._log(logged)
 
-    def _run_automatic(self, batch: Any, batch_idx: torch.Tensor) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The captured step: Lightning's optimizer_step with this batch (closure, clip, step)."""
+    def _run_automatic(
+        self, batch: Any, batch_idx: torch.Tensor, kind: tuple
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The captured step: Lightning's optimizer_step with this batch (closure, clip, step), or
+        for a micro-batch that only accumulates, Lightning's closure (training_step, backward)."""
         epoch, idx, optimizer, closure = self._automatic_call
         with self._running(batch, batch_idx):
-            self._optimizer_step(epoch, idx, optimizer, closure)
+            if kind[0] == "accumulate":
+                closure()
+            else:
+                self._optimizer_step(epoch, idx, optimizer, closure)
             return self._output, dict(self._logged.tensors)
+
+    def _routing_closures(self, make_closure: Callable) -> Callable:
+        """Wrap Lightning's `_make_closure`: a closure Lightning calls itself (to accumulate
+        gradients without a step) runs as a captured step too."""
+        logic = self
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            closure = make_closure(*args, **kwargs)
+            closure.__class__ = _routed_closure_class(type(closure))
+            closure._graphstep = logic
+            return closure
+
+        return make
 
     # -- manual optimization ---------------------------------------------------------------------------
 
-    def _run_manual(self, batch: Any, batch_idx: torch.Tensor) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _run_manual(
+        self, batch: Any, batch_idx: torch.Tensor, kind: tuple
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         progress = self._step_progress()
         before = progress.total.completed
         with self._running(batch, batch_idx), self._no_scheduler_steps():
@@ -211,7 +252,7 @@ class _GraphStepLogic:
         if self._module.automatic_optimization:  # a training_step outside optimizer_step: eager
             return self._training_step(batch, batch_idx, *args, **kwargs)
         progress = self._step_progress()
-        output, logged = self._call_step()
+        output, logged = self._call_step(())
         if not self._ran:  # a replay: the optimizer steps happened on the device, not in Python
             progress.increment_ready()  # Lightning counts optimizer steps (trainer.global_step)
             for _ in range(self._optimizer_steps):
@@ -219,9 +260,11 @@ class _GraphStepLogic:
         self._log(logged)
         return output
 
-    def _call_step(self) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _call_step(self, kind: tuple) -> tuple[Any, dict[str, torch.Tensor]]:
+        """`kind` (a static argument: one graph per value): what Lightning asks of this batch in
+        automatic optimization: ("step" or "accumulate", zero_grad first, backward)."""
         self._ran = False
-        return self.step(self._batch, self._batch_idx)
+        return self.step(self._batch, self._batch_idx, kind)
 
     def _running(self, batch: Any, batch_idx: torch.Tensor) -> Any:
         logic = self
@@ -266,6 +309,32 @@ class _GraphStepLogic:
 
     def _trainer(self) -> Any:
         return self._module.trainer
+
+
+def _closure_kind(closure: Any) -> tuple[bool, bool]:
+    """What Lightning's closure does besides training_step (Python decides it outside the step)."""
+    return getattr(closure, "_zero_grad_fn", None) is not None, getattr(
+        closure, "_backward_fn", None
+    ) is not None
+
+
+_routed: dict[type, type] = {}
+
+
+def _routed_closure_class(base: type) -> type:
+    """`base` (Lightning's `Closure`), whose direct call goes through the callback's captured step
+    unless the captured step's own code is running (then it is the optimizer calling it)."""
+    if base not in _routed:
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            logic = self.__dict__.get("_graphstep")
+            if logic is None or logic._ran is None or logic.step is None:
+                return base.__call__(self, *args, **kwargs)
+            return logic._accumulate(self)
+
+        # Same module as `base`: the callback finds `ClosureResult` beside the closure's class.
+        _routed[base] = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+    return _routed[base]
 
 
 _classes: dict[str, type] = {}

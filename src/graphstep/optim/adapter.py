@@ -1,79 +1,13 @@
-"""Optimizers inside a captured step: capturable flags, live hyperparameters, checkpoints.
+"""`OptimizerAdapter`: optimizers inside a captured step — capturable flags, live hyperparameters,
+checkpoints.
 
 A CUDA graph replays kernels with the arguments they had at capture. For an optimizer that means:
-
-- state kept on the host (Adam's `step` counter when `capturable=False`) is read with `.item()`
-  and frozen; `capturable=True` keeps it on the device, so the graph advances it;
-- a Python number (lr, betas, momentum, ...) is baked into the kernels, so a scheduler's change
-  is ignored. A 0-d device tensor is read by the kernels on every replay: a hyperparameter held
-  as one stays *live*, and a scheduler that writes it in place (`fill_`) is honoured.
-
-`OptimizerAdapter` (used by `graphstep.capture`, and by `make_capturable` for an eager twin) sets
-`capturable=True` where torch offers it (`fused`/`foreach` stay as the user chose), moves host
-state to the device, and keeps every hyperparameter live that torch's own implementation reads on
-the device without a host sync. That depends on the implementation that runs:
-
-| optimizer | implementation | device tensor (live) | eager segment on first change |
-|---|---|---|---|
-| SGD | fused | lr | momentum, dampening, weight_decay |
-| SGD | foreach | - | lr, momentum, dampening, weight_decay |
-| SGD | forloop | - | lr, momentum, dampening, weight_decay |
-| Adam | fused | lr | betas, eps, weight_decay |
-| Adam | foreach | lr | betas, eps, weight_decay |
-| Adam | forloop | lr, betas[0], eps | betas[1], weight_decay |
-| AdamW | fused | lr | betas, eps, weight_decay |
-| AdamW | foreach | lr | betas, eps, weight_decay |
-| AdamW | forloop | lr, betas[0], eps | betas[1], weight_decay |
-| NAdam | foreach | lr | betas, eps, weight_decay, momentum_decay |
-| NAdam | forloop | lr, betas[0], eps, momentum_decay | betas[1], weight_decay |
-| RAdam | foreach | lr | betas, eps, weight_decay |
-| RAdam | forloop | lr, betas[0], eps | betas[1], weight_decay |
-| Adamax | foreach | lr, betas[1] | betas[0], eps, weight_decay |
-| Adamax | forloop | lr, betas[0], betas[1], eps | weight_decay |
-| RMSprop | foreach | lr | momentum, alpha, eps, weight_decay |
-| RMSprop | forloop | eps | lr, momentum, alpha, weight_decay |
-| Adagrad | fused | lr | lr_decay, eps, weight_decay |
-| Adagrad | foreach | - | the whole step, always (host step count; see below) |
-| Adagrad | forloop | - | the whole step, always (host step count; see below) |
-| Adadelta | foreach | lr | rho, eps, weight_decay |
-| Adadelta | forloop | eps | lr, rho, weight_decay |
-| ASGD | foreach | lr | lambd, alpha, t0, weight_decay |
-| ASGD | forloop | lr, lambd, alpha, t0 | weight_decay |
-| Rprop | foreach | lr, etas[0], etas[1], step_sizes[0], step_sizes[1] | - |
-| Rprop | forloop | lr, etas[0], etas[1], step_sizes[0], step_sizes[1] | - |
-
-Implementations: `fused=True`; foreach (torch's default on a GPU); for-loop (`foreach=False`).
-Why the others stay numbers: `if weight_decay != 0` (every optimizer), `if momentum != 0` (SGD,
-RMSprop), and values passed where an operator takes a Python number (`alpha=`, `value=`, the
-scalar overloads of the foreach ops, the fused kernels' float arguments) are host reads. Flags
-(`nesterov`, `amsgrad`, `maximize`, ...) pick code paths and are baked too. Rprop reads `lr`, and
-Adagrad `initial_accumulator_value`, only when a parameter's state is made (eagerly, in warm-up).
-Adagrad keeps its step count on the host unless fused (CPU only), and Adafactor reads norms with
-`.item()`: their step runs eagerly, always. LBFGS (closure) and SparseAdam (data-dependent sizes)
-are refused. An optimizer graphstep does not know (a custom `Optimizer` subclass, a torch class
-whose `step()` is overridden, Muon) has nothing live: its numbers are baked, and the first change
-of one moves its step to an eager segment. Where torch 2.6 differs, see `table.py`.
-
-A live hyperparameter is a 0-d float32 tensor in the param group (a tuple of them and numbers for
-`betas`, `etas`, `step_sizes`). It is made at the optimizer's first step (or the first call of a
-captured step), not before: a scheduler created before training then computes in Python floats
-exactly as with torch's defaults, and graphstep and an eager twin made with `make_capturable` agree
-whichever came first. A value *assigned* later (`group["lr"] = 0.01`, OneCycleLR's new `betas`
-tuple each step) is copied into the tensor before the next call (`before_call`) or, in an eager
-loop, by a step pre-hook, and the tensor put back. `load_state_dict` keeps the objects a graph uses.
-
-Numerics: the same settings give bitwise the same results (apply `make_capturable` to an eager
-twin). Against torch's defaults they differ by rounding: a capturable update orders its arithmetic
-differently, a float32 lr rounds the scheduler's float64, and a scheduler created after the first
-step multiplies float32 tensors. `benchmarks/optim_numerics.py` measures how far.
-
-Known torch bug: capturable Adam/AdamW with `foreach=False` writes NaN into parameters whose second
-moment is 0 when lr is exactly 0 (a warm-up from 0: pytorch#126514). graphstep warns; use the
-default foreach or `fused=True`.
-
-Mixed precision: `GradScaler.step` calls `.item()` unless the optimizer unscales itself
-(`fused=True` Adam, AdamW, SGD). Gradient clipping: keep `clip_grad_norm_(error_if_nonfinite=False)`.
-`zero_grad()` inside the step needs nothing: the graph's grads are written on every replay.
+state kept on the host (Adam's `step` counter when `capturable=False`) would be read with `.item()`
+and frozen, so `capturable=True` keeps it on the device; and a Python number (lr, betas, ...) is
+baked into the kernels, so a hyperparameter torch reads on the device without a host sync is held as
+a 0-d device tensor (*live*) that a scheduler's change is copied into. Which values stay live, per
+optimizer and implementation, is `table.py`'s data and the table in docs/optimizers.md (a test keeps
+them equal); the rest of the reasoning is written there too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,85 @@
+"""Where each optimizer's `step()` runs: inside the graphs, or as an eager segment between replays.
+
+An optimizer moves to an eager segment, once and for good, when its step would differ from what a
+graph bakes: `Config(optimizer_mode="eager")` from the start; in `"auto"`, before a capture when its
+step reads the host every call, its state holds Python numbers or a scheduler will change a value
+it bakes, and after a capture when such a baked value changed. Graphs captured before a move are
+out of date: `epoch` counts the moves, and a graph records the epoch it was captured in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..diagnostics import log
+from .adapter import OptimizerAdapter
+
+
+class OptimizerModes:
+    """The optimizers of one captured step whose `step()` runs as an eager segment."""
+
+    def __init__(self, adapter: OptimizerAdapter, mode: str, step_name: str):
+        self.adapter = adapter
+        self.mode = mode
+        """`Config.optimizer_mode`: "auto", "graph" or "eager"."""
+        self.step_name = step_name
+        self.eager: list[torch.optim.Optimizer] = []
+        self.epoch = 0
+        """Bumped when an optimizer moves: graphs captured before are out of date."""
+
+    def is_eager(self, opt: torch.optim.Optimizer) -> bool:
+        return any(opt is o for o in self.eager)
+
+    def move_to_eager(self, optimizers: Iterable[torch.optim.Optimizer], why: str) -> None:
+        for opt in optimizers:
+            if not self.is_eager(opt):
+                self.eager.append(opt)
+                log.warning(
+                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on; no re-capture "
+                    "will be needed when its hyperparameters change again. Why: %s",
+                    self.step_name,
+                    type(opt).__qualname__,
+                    why,
+                )
+        self.epoch += 1
+
+    def choose_before_capture(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """In `optimizer_mode="auto"`: an optimizer whose step will differ from what a graph bakes
+        runs as an eager segment from the start, rather than after a capture that its first change
+        would throw away. That is one whose step reads the host every call, one whose state holds
+        Python numbers (a custom optimizer's step counter, which no graph would update), and one with
+        a scheduler attached (torch's schedulers add `initial_lr`, and `base_momentum` when they cycle
+        momentum) that changes a value it bakes. Only for backends that capture graphs: the eager
+        backend runs every step eagerly already."""
+        if self.mode != "auto":
+            return
+        for opt in optimizers:
+            if self.is_eager(opt):
+                continue
+            why = self.adapter.eager_only(opt)
+            if not why and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values()):
+                why = "its state holds Python numbers, which a graph would freeze"
+            for key in _scheduled_keys(opt):
+                if not why and not self.adapter.can_stay_in_graph(opt, key):
+                    why = f"a scheduler changes {key!r}, which it reads as a Python number"
+            if why:
+                self.move_to_eager([opt], why)
+
+    def movable(self, changes: Iterable[object]) -> list[torch.optim.Optimizer]:
+        """Optimizers whose baked hyperparameters are among a guard's `changes` and that may move
+        to an eager segment (`optimizer_mode="auto"`)."""
+        if self.mode != "auto":
+            return []
+        found = [getattr(c, "optimizer", None) for c in changes]
+        return [opt for opt in found if opt is not None]
+
+
+def _scheduled_keys(opt: torch.optim.Optimizer) -> list[str]:
+    """The keys a torch LR scheduler attached to `opt` will change (see `choose_before_capture`)."""
+    group = opt.param_groups[0] if opt.param_groups else {}
+    keys = ["lr"] if "initial_lr" in group else []
+    if "base_momentum" in group:  # OneCycleLR / CyclicLR with cycle_momentum=True
+        keys.append("momentum" if "momentum" in group else "betas[0]")
+    return keys
