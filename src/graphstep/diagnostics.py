@@ -177,6 +177,19 @@ def too_many_graphs_message(step_name: str, max_graphs: int, seen: list, new: ob
     )
 
 
+def changing_argument_message(step_name: str, path: str, values: list) -> str:
+    shown = ", ".join(repr(v) for v in values)
+    kind = type(values[-1]).__name__
+    return (
+        f"{step_name}: argument {path} is a Python {kind} with a new value on each of the last "
+        f"{len(values)} calls ({shown}). A Python number is baked into a graph, so every value needs "
+        "its own warm-up and graph, and a value seen once is never replayed. Pass it as a 0-d tensor on "
+        "the step's device instead, e.g. `step_t = torch.zeros((), dtype=torch.long, device=...)`, "
+        "`step_t.fill_(i)` before each call (or `torch.tensor(i, device=...)`): a replay then reads the "
+        "current value. Nothing ran for this call."
+    )
+
+
 def host_sync_ops() -> set:
     """ATen operations whose result a CUDA stream cannot produce without the host waiting."""
     aten = torch.ops.aten

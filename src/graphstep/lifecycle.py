@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import effects
 from . import signature as sig
 from .backends import library_segments, segments
 from .backends.base import PartsRecording, Recording
@@ -85,7 +86,7 @@ class Lifecycle:
         self.ctx = ctx
         self.signature = signature
         self.warmups = 0
-        self.inputs = InputBuffers(ctx.backend)
+        self.inputs = InputBuffers(ctx.backend, signature.spec)
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
@@ -375,6 +376,11 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
     captured: dict[str, Any] = {}
     params = ctx.state.parameters()
+    # Python effects of the step's own code (writes to state that outlives the call): refused at
+    # capture, after the step ran (so that a backend undoes its tensor writes too), and undone.
+    python = effects.watch_writes(
+        ctx.name, allow_writes=ctx.config.allow_python_writes, graphs=backend.static_buffers
+    )
 
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
@@ -385,6 +391,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             library_segments.calls_as_segments(
                 ctx.name, capturing=True, log_at_capture=backend.static_buffers
             ),
+            python,
         ):
             outputs = ctx.fn(*a, **k)
             # Inside the capture, so that a refused output also undoes what the step did.
@@ -407,6 +414,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             error = failed
     if error is not None:
         snapshot.restore()
+        python.roll_back()
         if isinstance(error, GraphStepError) or not isinstance(error, Exception):
             raise error
         raise capture_error(ctx.name, error) from error
