@@ -8,7 +8,8 @@ environment (a point pushed toward the origin, reward = -distance), computes adv
 the graph, then calls one captured `ppo_update`: `--epochs` passes over `--minibatches` minibatches, each
 a clipped-surrogate + value + entropy loss, backward, gradient clipping and an Adam step. One call is
 epochs x minibatches optimizer steps; the minibatch order is a device permutation drawn inside the
-step, so a replay shuffles as eager would. On CUDA the same training runs again without graphstep and
+step, so a replay shuffles as eager would. The policy's distributions skip argument validation, a
+host sync (see `ActorCritic.dist`). On CUDA the same training runs again without graphstep and
 both update times are printed (skip with --no-compare).
 """
 
@@ -35,7 +36,10 @@ class ActorCritic(nn.Module):
         self.log_std = nn.Parameter(torch.full((ACT,), -0.5))
 
     def dist(self, obs: torch.Tensor) -> torch.distributions.Normal:  # obs: (N, OBS)
-        return torch.distributions.Normal(self.pi(obs), self.log_std.exp())
+        # validate_args=False: torch.distributions checks every argument and sample on the host (a
+        # GPU sync), which no CUDA graph can hold. Here the check cannot fail on a healthy run (the
+        # mean comes from a Linear, the scale is exp(...) > 0); a diverged run shows NaN in the loss.
+        return torch.distributions.Normal(self.pi(obs), self.log_std.exp(), validate_args=False)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # (N, OBS) -> (N,)
         return self.v(obs).squeeze(-1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,18 @@ def one_cycle(opt):
 def test_an_eager_optimizer_follows_every_schedule_with_one_capture():
     step = run_pair(twins(sgd, one_cycle), recording(optimizer_mode="eager"))
     assert step.stats.captures == 1 and step.stats.replays == STEPS - 3
+
+
+def test_an_eager_optimizer_keeps_its_schedulers_wrapper_of_step():
+    # torch's LR schedulers wrap `opt.step` on the instance to notice it was called; routing the step
+    # through a segment must put that wrapper back, or every scheduler step warns that the optimizer's
+    # step was overridden and the "scheduler before optimizer" check goes blind.
+    pair = twins(sgd, one_cycle)
+    wrapped = pair[1][1].__dict__["step"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*overridden after learning rate scheduler.*")
+        run_pair(pair, recording(optimizer_mode="eager"))
+    assert pair[1][1].__dict__["step"] is wrapped
 
 
 def test_auto_runs_an_optimizer_whose_scheduler_changes_a_baked_value_as_a_segment(caplog):

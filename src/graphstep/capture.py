@@ -19,14 +19,15 @@ import torch
 from . import signature as sig
 from . import teardown
 from .config import Config
-from .diagnostics import StepStats, too_many_graphs_message
-from .errors import ClosedError, GraphStepError, TooManyGraphsError
+from .diagnostics import StepStats, changing_argument_message, log, too_many_graphs_message
+from .errors import ChangingArgumentError, ClosedError, GraphStepError, TooManyGraphsError
 from .lifecycle import Lifecycle, Overflow
 from .signature import Signature
 from .state import TrainingState, as_list
 from .step_context import StepContext, shared_backend_of
 
 _MAX_OVERFLOWS = 1024  # signatures past max_graphs remembered, to warn once each
+_CHURN_CALLS = 4  # calls in a row, each with a new value of one Python number argument, before saying so
 
 
 def capture(
@@ -86,6 +87,9 @@ class CapturedStep:
         )
         self._lives: dict[Signature, Lifecycle] = {}
         self._overflows: dict[Signature, Overflow] = {}
+        self._new_in_a_row: list[Signature] = []
+        """Signatures of the last calls, while each call brought a new one (see `_check_churn`)."""
+        self._churn_warned = False
         self._ctx: StepContext | None = None  # set up on the first call
         self._generators = list(generators or [])
         if share_pool_with is not None and not isinstance(share_pool_with, CapturedStep):
@@ -220,7 +224,10 @@ class CapturedStep:
         `Overflow` that runs the signature eagerly (or `TooManyGraphsError`)."""
         life = self._lives.get(signature) or self._overflows.get(signature)
         if life is not None:
+            if self._new_in_a_row:
+                self._new_in_a_row.clear()
             return life
+        self._check_churn(signature)
         if len(self._lives) < self.config.max_graphs:
             life = self._lives[signature] = Lifecycle(self._ctx, signature)
             return life
@@ -236,6 +243,25 @@ class CapturedStep:
 
     def _graphs_alive(self) -> int:
         return sum(life.graphs() for life in self._lives.values())
+
+    def _check_churn(self, signature: Signature) -> None:
+        """A Python number argument with a new value on each of the last few calls (an iteration
+        index) would warm up a graph per value and spend `max_graphs` without replaying once: say
+        so after a few, naming the argument, before this call runs."""
+        run = self._new_in_a_row
+        run.append(signature)
+        needed = max(2, min(_CHURN_CALLS, self.config.max_graphs + 1))
+        del run[:-needed]
+        found = sig.changing_number(run) if len(run) == needed else None
+        if found is None:
+            return
+        message = changing_argument_message(self._name, *found)
+        if self.config.on_too_many_graphs == "raise":
+            run.clear()
+            raise ChangingArgumentError(message)
+        if not self._churn_warned:  # on_too_many_graphs="eager": the user accepts eager calls
+            self._churn_warned = True
+            log.warning(message)
 
     def _too_many_message(self, signature: Signature) -> str:
         return too_many_graphs_message(self._name, self.config.max_graphs, list(self._lives), signature)

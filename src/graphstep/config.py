@@ -77,6 +77,14 @@ class Config:
     """0: verification is bitwise (`torch.equal`). Otherwise the largest allowed
     `|replay - eager| / max(|eager|, 1e-12)` per tensor, for kernels that are not deterministic."""
 
+    allow_python_writes: bool = False
+    """False: a capture whose code (yours, not a library's) writes Python state that outlives the call
+    — an attribute (`self.seen += 1`), a global, a closure variable, the contents of a list or dict
+    reached from outside the step (`self.history.append(loss)`) — is refused with a `PythonWriteError`
+    naming the line, and the writes are undone: a replay runs no Python, so it would never write them
+    again. True: such writes happen in warm-up and at capture only, as for any Python in the step; for
+    writes that change nothing the step computes (a debug note, a flag set to the same value)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
             raise ValueError(
@@ -92,6 +100,10 @@ class Config:
         _check_choice("on_recapture_limit", self.on_recapture_limit, Fallback)
         _check_choice("optimizer_mode", self.optimizer_mode, OptimizerMode)
         _check_choice("verify_against", self.verify_against, VerifyAgainst)
+        if not isinstance(self.allow_python_writes, bool):
+            raise ValueError(
+                f"Config.allow_python_writes must be True or False, got {self.allow_python_writes!r}."
+            )
         for name in ("max_recaptures", "verify_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
+import threading
 import traceback
 import warnings
+from collections.abc import Iterator
 from types import TracebackType
 
 import torch
@@ -128,12 +132,15 @@ def capture_error(step_name: str, exc: BaseException) -> Exception:
     """The `CaptureError` (or `HostSyncError`) for a capture that raised `exc`."""
     from .errors import CaptureError, HostSyncError
 
-    kind = HostSyncError if is_host_sync(exc) else CaptureError
+    sync = is_host_sync(exc)
+    kind = HostSyncError if sync else CaptureError
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    hint = host_sync_hint(traceback.extract_tb(exc.__traceback__), first_line) if sync else None
     return kind(
         f"capturing {step_name} failed at {where(exc.__traceback__)}.\n"
-        f"Likely cause: {likely_cause(exc)}.\n"
-        f"Original error: {type(exc).__name__}: {first_line}\n"
+        + f"Likely cause: {likely_cause(exc)}.\n"
+        + (f"At this line: {hint}.\n" if hint else "")
+        + f"Original error: {type(exc).__name__}: {first_line}\n"
         "Nothing was lost: the model, optimizer and inputs are as they were before this call, and the "
         "step can be called again."
     )
@@ -170,6 +177,19 @@ def too_many_graphs_message(step_name: str, max_graphs: int, seen: list, new: ob
     )
 
 
+def changing_argument_message(step_name: str, path: str, values: list) -> str:
+    shown = ", ".join(repr(v) for v in values)
+    kind = type(values[-1]).__name__
+    return (
+        f"{step_name}: argument {path} is a Python {kind} with a new value on each of the last "
+        f"{len(values)} calls ({shown}). A Python number is baked into a graph, so every value needs "
+        "its own warm-up and graph, and a value seen once is never replayed. Pass it as a 0-d tensor on "
+        "the step's device instead, e.g. `step_t = torch.zeros((), dtype=torch.long, device=...)`, "
+        "`step_t.fill_(i)` before each call (or `torch.tensor(i, device=...)`): a replay then reads the "
+        "current value. Nothing ran for this call."
+    )
+
+
 def host_sync_ops() -> set:
     """ATen operations whose result a CUDA stream cannot produce without the host waiting."""
     aten = torch.ops.aten
@@ -180,6 +200,43 @@ def host_sync_ops() -> set:
         aten.is_nonzero.default,
         aten.equal.default,
     }
+
+
+_SYNC_OPS = host_sync_ops()
+_INDEXING = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
+
+def host_sync_of(func: object, args: tuple) -> str | None:
+    """How an ATen call needs a value on the host on a GPU, or None. Indexing by a boolean mask
+    calls `nonzero` inside the CPU kernel, where a dispatch mode cannot see it: named here."""
+    if func in _SYNC_OPS:
+        return str(func)
+    indices = args[1] if func in _INDEXING and len(args) > 1 else ()
+    if isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    ):
+        return f"{func} by a boolean mask (a nonzero: its size depends on the data)"
+    return None
+
+
+_expected = threading.local()
+
+
+@contextlib.contextmanager
+def expected_host_reads() -> Iterator[None]:
+    """Around a library call graphstep runs as an eager segment: its host reads are not the step's
+    host syncs (`HostSyncWatch` leaves them out)."""
+    depth = getattr(_expected, "depth", 0)
+    _expected.depth = depth + 1
+    try:
+        yield
+    finally:
+        _expected.depth = depth
 
 
 class HostSyncWatch:
@@ -217,6 +274,8 @@ class HostSyncWatch:
 
     def note(self) -> None:
         """Record the user's frame of the current stack as a host-sync site."""
+        if getattr(_expected, "depth", 0):
+            return
         frame = user_frame_of(traceback.extract_stack()[:-1])
         site = "an unknown line" if frame is None else _describe(frame)
         if site not in self.sites:
@@ -237,9 +296,99 @@ class _SyncSpy(TorchDispatchMode):
     def __init__(self, watch: HostSyncWatch):
         super().__init__()
         self.watch = watch
-        self.ops = host_sync_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops:
+        if host_sync_of(func, args) is not None:
             self.watch.note()
         return func(*args, **(kwargs or {}))
+
+
+# -- what a host sync is, and what to write instead --------------------------------------------------
+
+_DISTRIBUTIONS_DIR = os.path.join(_TORCH_DIR, "distributions") + os.sep
+
+# Library frames (file name, function or None for any) and the pattern they mean. The innermost
+# match wins: a distribution built inside a user's helper is still a distribution.
+_LIBRARY_HINTS = (
+    (
+        "grad_scaler.py",
+        ("get_scale", "_get_growth_tracker", "state_dict"),
+        "GradScaler.get_scale() (or state_dict()) reads the scale on the host: call it between steps, "
+        "outside the captured step, or return `scaler._scale` (a device tensor) from the step",
+    ),
+    (
+        "grad_scaler.py",
+        None,
+        "GradScaler.step reads found_inf on the host with .item(). graphstep runs it as an eager segment "
+        "where it can (torch's GradScaler._maybe_opt_step); an optimizer constructed with fused=True "
+        "(Adam, AdamW, SGD) unscales and skips on the device instead and keeps the step in one graph",
+    ),
+    (
+        "clip_grad.py",
+        None,
+        "clip_grad_norm_(error_if_nonfinite=True) reads the norm on the host: keep the default "
+        "error_if_nonfinite=False, return the norm from the step and check torch.isfinite(norm) "
+        "outside it, or use fp16 with a GradScaler, which skips non-finite steps on the device",
+    ),
+    (
+        "lr_scheduler.py",
+        None,
+        "call the learning-rate scheduler's step() outside the captured step, between calls",
+    ),
+)
+_DISTRIBUTIONS = (
+    "torch.distributions checks its arguments and samples on the host (`validate_args` is on by "
+    "default): pass `validate_args=False` to the distributions the step builds, or call "
+    "`torch.distributions.Distribution.set_default_validate_args(False)` around the captured step "
+    "(keep it on in an eager debugging run, where an invalid value still raises)"
+)
+_BOOLEAN_MASK = (
+    "boolean-mask indexing (`x[mask]`, `masked_select`, `nonzero`) makes a tensor whose size depends on "
+    "the data, which no graph can hold. For a loss over some positions keep every position and weight "
+    "it: `F.cross_entropy(logits, labels, ignore_index=-100)`, or "
+    "`(loss * mask).sum() / mask.sum()`; to pick values, `torch.where(mask, x, 0)`"
+)
+_LOGGING = (
+    "`.item()`, `.tolist()` or `.cpu()` copies a value to the host (for logging, usually): return the "
+    "tensor from the step (`loss.detach()`) and read it outside, after the call, or every few steps"
+)
+_HOST_COPY = (
+    "`.to(device)` / `.cuda()` of CPU memory that is not pinned waits for the host. Move the batch "
+    "to the GPU before calling the step (graphstep copies it into the graph's buffers), or pin it "
+    "(`DataLoader(pin_memory=True)`, `.pin_memory()`) and copy with `non_blocking=True`"
+)
+_BRANCH = (
+    "branching on a tensor (`if tensor:`, `float(t)`, `print(t)`) reads it on the host: keep the "
+    "decision on the device (`torch.where(cond, a, b)`), or return the tensor and decide outside the step"
+)
+# Source text of the user's line -> pattern, for a CUDA error that does not name the operation.
+_LINE_PATTERNS = (
+    (re.compile(r"\.(item|tolist|cpu|numpy)\(\)"), _LOGGING),
+    (re.compile(r"masked_select|nonzero\(|\[[^\]]*(!=|==|<|>|~|\bmask)[^\]]*\]"), _BOOLEAN_MASK),
+    (re.compile(r"\.to\(|\.cuda\(|torch\.(tensor|as_tensor|from_numpy)\("), _HOST_COPY),
+    (re.compile(r"^\s*(if|elif|while|assert)\b|\b(float|int|bool|print)\("), _BRANCH),
+)
+# The recording backend's error names the operation.
+_OP_PATTERNS = (("nonzero", _BOOLEAN_MASK), ("masked_select", _BOOLEAN_MASK))
+
+
+def host_sync_hint(frames: list[traceback.FrameSummary], error: str = "") -> str | None:
+    """What a host sync at capture is and what to write instead, or None when it is not one of the
+    known patterns. `frames`: the failure's traceback, outermost first; `error`: its message."""
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_DISTRIBUTIONS_DIR) or f"{os.sep}distributions{os.sep}" in frame.filename:
+            return _DISTRIBUTIONS
+        name = os.path.basename(frame.filename)
+        for file, functions, hint in _LIBRARY_HINTS:
+            if name == file and (functions is None or frame.name in functions):
+                return hint
+    for needle, hint in _OP_PATTERNS:
+        if needle in error:
+            return hint
+    user = user_frame_of(list(frames))
+    line = (user.line or "") if user is not None else ""
+    for pattern, hint in _LINE_PATTERNS:
+        if pattern.search(line):
+            return hint
+    return None

@@ -15,6 +15,11 @@ class HostSyncError(CaptureError):
     """The step synchronises with the host (`.item()`, `.cpu()`, `print(tensor)`, ...)."""
 
 
+class PythonWriteError(CaptureError):
+    """The step's code writes Python state that outlives the call (an attribute, a global, a list it
+    appends to): a replay runs no Python, so it would never write it again. The writes were undone."""
+
+
 class HostRandomError(CaptureError):
     """The step drew random numbers on the host while it was captured (Python's `random`, NumPy,
     a CPU `torch.Generator`): every replay would repeat that one draw."""
@@ -29,7 +34,13 @@ class UnsupportedOutputError(CaptureError):
 
 
 class UnsupportedInputError(GraphStepError):
-    """An argument cannot be part of a graph's key (for example an unhashable Python object)."""
+    """An argument cannot be part of a graph's key (for example an unhashable Python object), or
+    cannot be loaded into a graph's input buffers (a meta tensor, a tensor on another device)."""
+
+
+class ChangingArgumentError(TooManyGraphsError):
+    """A Python number argument takes a new value on every call (an iteration index): each value
+    would need its own graph."""
 
 
 class StaleGraphError(GraphStepError):

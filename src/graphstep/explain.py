@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from . import signature as sig
+from .backends import library_segments
 from .backends.undo import UndoLog
 from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
@@ -116,8 +117,12 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
 
     reads = Reads.of_function(fn)
     if backend.static_buffers:
-        syncs, reads, draws = _dry_run(step, backend, args, kwargs)
+        syncs, reads, draws, segments = _dry_run(step, backend, args, kwargs)
         hazards += [f"host sync at {site}" for site in syncs] + draws
+        hazards += [
+            f"{name} runs as an eager segment between graph replays (one wait for the GPU per call): {why}"
+            for name, why in segments.items()
+        ]
     read_guard = ReadGuard(reads)
     hazards += _read_hazards(state, reads, read_guard)
 
@@ -176,9 +181,10 @@ def _named(prefix: str, root: Any) -> list[tuple[str, Any]]:
 
 def _dry_run(
     step: CapturedStep, backend: Any, args: tuple, kwargs: dict
-) -> tuple[list[str], Reads, list[str]]:
-    """Run the step once eagerly, note its host syncs, its host random draws and what its Python
-    reads, and take everything it did to tensors and generators back."""
+) -> tuple[list[str], Reads, list[str], dict[str, str]]:
+    """Run the step once eagerly, note its host syncs, its host random draws, the library calls that
+    would run as eager segments and what its Python reads, and take everything it did to tensors and
+    generators back."""
     refs = Snapshot.take(step._state, backend.cuda_devices)
     undo = UndoLog()
     draws = host_random.HostRandomWatch(
@@ -189,9 +195,15 @@ def _dry_run(
         restore=True,
     )
     try:
-        with HostSyncWatch(cuda=backend.name == "cuda") as watch, ReadWatch() as reads, draws, undo:
+        with (
+            HostSyncWatch(cuda=backend.name == "cuda") as watch,
+            library_segments.calls_as_segments("explain", capturing=False) as segments,
+            ReadWatch() as reads,
+            draws,
+            undo,
+        ):
             step._fn(*args, **kwargs)
     finally:
         undo.roll_back()
         refs.restore()
-    return watch.sites, reads.reads, [draw_advice.hazard(d) for d in draws.draws]
+    return watch.sites, reads.reads, [draw_advice.hazard(d) for d in draws.draws], segments

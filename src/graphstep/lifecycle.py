@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from . import effects
 from . import signature as sig
-from .backends import segments
+from .backends import library_segments, segments
 from .backends.base import PartsRecording, Recording
 from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
@@ -85,7 +86,7 @@ class Lifecycle:
         self.ctx = ctx
         self.signature = signature
         self.warmups = 0
-        self.inputs = InputBuffers(ctx.backend)
+        self.inputs = InputBuffers(ctx.backend, signature.spec)
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
@@ -214,6 +215,7 @@ class Lifecycle:
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
             segments.optimizer_steps_as_segments(ctx.modes.eager),
+            library_segments.calls_as_segments(ctx.name, capturing=False),
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
         self.segment_results = watch.seen
@@ -374,6 +376,11 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
     captured: dict[str, Any] = {}
     params = ctx.state.parameters()
+    # Python effects of the step's own code (writes to state that outlives the call): refused at
+    # capture, after the step ran (so that a backend undoes its tensor writes too), and undone.
+    python = effects.watch_writes(
+        ctx.name, allow_writes=ctx.config.allow_python_writes, graphs=backend.static_buffers
+    )
 
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
@@ -381,6 +388,10 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
             segments.capturing(splitter, params, segment_results) as session,
             segments.optimizer_steps_as_segments(ctx.modes.eager),
+            library_segments.calls_as_segments(
+                ctx.name, capturing=True, log_at_capture=backend.static_buffers
+            ),
+            python,
         ):
             outputs = ctx.fn(*a, **k)
             # Inside the capture, so that a refused output also undoes what the step did.
@@ -403,6 +414,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             error = failed
     if error is not None:
         snapshot.restore()
+        python.roll_back()
         if isinstance(error, GraphStepError) or not isinstance(error, Exception):
             raise error
         raise capture_error(ctx.name, error) from error

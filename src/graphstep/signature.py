@@ -188,6 +188,33 @@ def argument_paths(spec: Any) -> Iterator[tuple[str, Any]]:
     yield from paths(kwargs_spec, "kwargs")
 
 
+def tensor_paths(spec: Any) -> list[str]:
+    """The paths of a call's tensor arguments, in the order of its tensor leaves."""
+    return [path for path, leaf in argument_paths(spec) if is_tensor_leaf(leaf)]
+
+
+def changing_number(signatures: list[Signature]) -> tuple[str, list[Any]] | None:
+    """The Python number argument (path, values) that takes a different value in each of
+    `signatures` while everything else about them is the same; None if there is none."""
+    first = signatures[0]
+    if any(s.tensors != first.tensors for s in signatures):
+        return None
+    leaves = [list(argument_paths(s.spec)) for s in signatures]
+    if any([p for p, _ in found] != [p for p, _ in leaves[0]] for found in leaves):
+        return None
+    changing = []
+    for i, (path, leaf) in enumerate(leaves[0]):
+        column = [found[i][1] for found in leaves]
+        if all(c == leaf for c in column):
+            continue
+        values = [value_of(c) if not is_tensor_leaf(c) and c[0] == "value" else None for c in column]
+        numbers = all(type(v) in (int, float) for v in values)
+        if not numbers or len(set(values)) != len(values):
+            return None
+        changing.append((path, values))
+    return changing[0] if len(changing) == 1 else None
+
+
 def _unhashable_message(spec: Any) -> str:
     for path, leaf in argument_paths(spec):
         if not is_tensor_leaf(leaf):

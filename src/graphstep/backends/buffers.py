@@ -9,17 +9,22 @@ copy from; a replay must then wait for the previous one before overwriting them.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
+from .. import signature as sig
+from ..errors import UnsupportedInputError
 from .base import Backend
 
 
 class InputBuffers:
     """One buffer per tensor leaf of a signature, made on first use."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, spec: Any = None):
         self.backend = backend
+        self.spec = spec
+        """The signature's spec, to name an argument that cannot be loaded."""
         self.tensors: list[torch.Tensor] | None = None
         self.host_staged = False
         """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
@@ -29,6 +34,10 @@ class InputBuffers:
     def like(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The buffers for tensors like `leaves`, made the first time."""
         if self.tensors is None:
+            for i, t in enumerate(leaves):
+                why = unloadable(t, getattr(self.backend, "index", None))
+                if why:
+                    raise UnsupportedInputError(f"argument {self._name(i)} {why}")
             # One buffer per tensor object: leaves that are the same tensor (the signature keeps
             # such calls apart) share one, as they share memory in eager.
             made: dict[int, torch.Tensor] = {}
@@ -47,6 +56,38 @@ class InputBuffers:
         if self.host_staged:  # the previous replay may still be reading a host buffer
             torch.cuda.current_stream(self.backend.index).synchronize()
         with torch.no_grad() if self.need_grad else contextlib.nullcontext():
-            for buffer, t in zip(self.tensors, leaves):
+            for i, (buffer, t) in enumerate(zip(self.tensors, leaves)):
                 if t is not buffer:
-                    buffer.copy_(t)
+                    try:
+                        buffer.copy_(t)
+                    except RuntimeError as exc:
+                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                        raise UnsupportedInputError(
+                            f"argument {self._name(i)} ({sig.TensorMeta.of(t)}) cannot be copied into the "
+                            f"graph's input buffer: {first}. Pass a tensor that owns its memory "
+                            "(`.contiguous()`, not an `expand`ed view), on the step's device."
+                        ) from exc
+
+    def _name(self, i: int) -> str:
+        paths = sig.tensor_paths(self.spec) if self.spec is not None else []
+        return paths[i] if i < len(paths) else f"#{i}"
+
+
+def unloadable(t: torch.Tensor, graph_index: int | None) -> str:
+    """Why a graph could not read `t` through an input buffer ("" when it can). `graph_index`: the
+    CUDA device of the graph (None: a CPU stand-in). The warm-ups ran eagerly with `t`, so eager did
+    not fail on it; a graph would."""
+    device = t.device
+    if device.type == "meta":
+        return (
+            "is a meta tensor: it has no data, so there is nothing to copy into the graph's input buffer "
+            "and no work on it for a graph to record. Pass a tensor with data (materialise it with "
+            "`.to_empty(device=...)` and fill it), or make this call outside the captured step."
+        )
+    if device.type == "cuda" and graph_index is not None and device.index != graph_index:
+        return (
+            f"is on {device}, but the step's graphs run on cuda:{graph_index}: a graph reads and writes "
+            f"the memory of its own device only. Move it with `.to('cuda:{graph_index}')` before the "
+            "call, or capture one step per device (one process per GPU)."
+        )
+    return ""

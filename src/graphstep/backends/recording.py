@@ -23,12 +23,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from ..diagnostics import host_sync_ops
+from ..diagnostics import host_sync_of
 from .base import CaptureBody, PartsRecording, empty_like_strided
 from .segments import Splitter
 from .undo import UndoLog
-
-HOST_SYNC_OPS = host_sync_ops()
 
 
 class _Recorder(UndoLog):
@@ -64,9 +62,10 @@ class _Recorder(UndoLog):
         if self.paused:
             self.before(func, args, kwargs)
             return func(*args, **kwargs)
-        if func in HOST_SYNC_OPS:
+        sync = host_sync_of(func, args)
+        if sync is not None:
             raise RuntimeError(
-                f"operation not permitted when stream is capturing: {func} needs a tensor's value on "
+                f"operation not permitted when stream is capturing: {sync} needs a tensor's value on "
                 "the host (simulated by graphstep's recording backend)"
             )
         self.before(func, args, kwargs)

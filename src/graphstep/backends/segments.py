@@ -153,13 +153,13 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: boo
         return fn(*args, **kwargs)
     if returns_none:
         if isinstance(session, _Warmup):
-            fn(*args, **kwargs)
+            _plainly(fn, args, kwargs)
         else:
             _split(session, fn, args, kwargs, name, _Seen(name, _NONE_SPEC, []))
         return None
     if isinstance(session, _Warmup):
         with torch.no_grad():
-            results = fn(*args, **kwargs)
+            results = _plainly(fn, args, kwargs)
         tensors, spec = sig.flatten(results)
         _check_results(name, spec)
         session.seen.append(_Seen(name, spec, [sig.TensorMeta.of(t) for t in tensors]))
@@ -179,7 +179,7 @@ def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str
     grads = [(p, p.grad) for p in session.params]
     if splitter.executes:  # the step really runs while capturing: so does the segment
         with torch.no_grad():
-            results = fn(*args, **kwargs)
+            results = _plainly(fn, args, kwargs)
         tensors, spec = sig.flatten(results)
         outputs = [t.detach() for t in tensors]
     else:
@@ -188,6 +188,13 @@ def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str
     session.segments.append(Segment(fn, args, kwargs, grads, spec, outputs, name))
     splitter.begin_part()
     return sig.unflatten(spec, outputs)
+
+
+def _plainly(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run a segment's body as plain eager code: a segment it calls (an eager optimizer's step
+    inside GradScaler's) is part of it, not a split of its own, as it is at replay."""
+    with _activate(None):
+        return fn(*args, **kwargs)
 
 
 def _check_results(name: str, spec: Any) -> None:
@@ -232,14 +239,20 @@ def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iter
     graph. That is exact for an optimizer whose step calls the closure once, first, under
     `enable_grad` (every torch.optim optimizer but LBFGS, which graphstep refuses); one that calls
     it again is stopped with a `CaptureError` (see `_OneEvaluation`)."""
+    # What the instance held before (a torch LR scheduler wraps `opt.step` on the instance to notice
+    # the step was called): put back afterwards, not dropped.
+    held = [(opt, opt.__dict__.get("step")) for opt in optimizers]
     for opt in optimizers:
         step = opt.step
         opt.step = functools.partial(_segment_step, opt, step, f"{type(opt).__qualname__}.step")
     try:
         yield
     finally:
-        for opt in optimizers:
-            opt.__dict__.pop("step", None)
+        for opt, before in held:
+            if before is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = before
 
 
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")

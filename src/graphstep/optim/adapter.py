@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import traceback
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from ..diagnostics import host_sync_hint
 from ..errors import GraphStepError, UnsupportedOptimizerError
 from . import table
 from .live import LIVE, Live
@@ -211,26 +210,6 @@ def make_capturable(optimizer: Optimizer, device: torch.device | str | None = No
     adapter = OptimizerAdapter([optimizer], allow_eager=True)
     adapter.prepare(device)
     return adapter
-
-
-def host_sync_hint(frames: Iterable[traceback.FrameSummary]) -> str | None:
-    """If a host sync happened inside an optimizer-related torch function, what to do instead."""
-    for frame in frames:
-        name = os.path.basename(frame.filename)
-        if name == "grad_scaler.py":
-            return (
-                "GradScaler.step reads found_inf on the host with .item() unless the optimizer unscales "
-                "and skips on the device: construct it with fused=True (Adam, AdamW, SGD)"
-            )
-        if name == "clip_grad.py":
-            return (
-                "clip_grad_norm_(error_if_nonfinite=True) reads the norm on the host: keep the default "
-                "error_if_nonfinite=False, return the norm from the step and check torch.isfinite(norm) "
-                "outside it, or use fp16 with a GradScaler, which skips non-finite steps on the device"
-            )
-        if name == "lr_scheduler.py":
-            return "call the learning-rate scheduler's step() outside the captured step, between calls"
-    return None
 
 
 # -- helpers ------------------------------------------------------------------------------------

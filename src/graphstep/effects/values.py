@@ -1,0 +1,265 @@
+"""What a write changed, and how to put it back: the before-and-after of attributes, globals,
+closure cells and containers that `writes.WriteWatch` compares, the census that tells objects made
+before a capture from objects the step made, and the texts that name them in an error."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
+
+_MUTATORS: dict[type, frozenset[str]] = {
+    list: frozenset(
+        [
+            "append",
+            "extend",
+            "insert",
+            "pop",
+            "remove",
+            "clear",
+            "sort",
+            "reverse",
+            "__setitem__",
+            "__delitem__",
+            "__iadd__",
+            "__imul__",
+        ]
+    ),
+    dict: frozenset(
+        [
+            "__setitem__",
+            "__delitem__",
+            "pop",
+            "popitem",
+            "setdefault",
+            "update",
+            "clear",
+            "__ior__",
+            "move_to_end",
+        ]
+    ),
+    set: frozenset(
+        [
+            "add",
+            "discard",
+            "remove",
+            "pop",
+            "clear",
+            "update",
+            "difference_update",
+            "intersection_update",
+            "symmetric_difference_update",
+            "__ior__",
+            "__iand__",
+            "__isub__",
+            "__ixor__",
+        ]
+    ),
+    collections.deque: frozenset(
+        [
+            "append",
+            "appendleft",
+            "extend",
+            "extendleft",
+            "pop",
+            "popleft",
+            "remove",
+            "clear",
+            "rotate",
+            "insert",
+            "__setitem__",
+            "__delitem__",
+            "__iadd__",
+        ]
+    ),
+    bytearray: frozenset(
+        [
+            "append",
+            "extend",
+            "insert",
+            "pop",
+            "remove",
+            "clear",
+            "reverse",
+            "__setitem__",
+            "__delitem__",
+            "__iadd__",
+        ]
+    ),
+}
+_mutator_cache: dict[type, frozenset[str]] = {}
+
+
+def mutators(kind: type) -> frozenset[str]:
+    """The mutating methods of a container type (by its builtin base); empty for anything else."""
+    found = _mutator_cache.get(kind)
+    if found is None:
+        base = next((b for b in kind.__mro__ if b in _MUTATORS), None)
+        found = _mutator_cache[kind] = _MUTATORS[base] if base is not None else frozenset()
+    return found
+
+
+# -- before and after ------------------------------------------------------------------------------
+
+
+def attr_state(obj: Any, name: str) -> tuple[str, Any] | None:
+    """Where `obj.name` lives and what it holds; None for an attribute a store computes (a property)."""
+    if isinstance(obj, nn.Module):
+        d = obj.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            entries = d.get(table)
+            if entries is not None and name in entries:
+                return table, entries[name]
+        return "__dict__", d.get(name, MISSING)
+    for klass in type(obj).__mro__:
+        found = klass.__dict__.get(name)
+        if found is not None and hasattr(type(found), "__set__"):
+            if isinstance(found, types.MemberDescriptorType):  # a slot
+                return "slot", getattr(obj, name, MISSING)
+            return None  # a property: its setter's own writes are judged where they happen
+    d = getattr(obj, "__dict__", None)
+    if not isinstance(d, (dict, types.MappingProxyType)):
+        return None
+    return "__dict__", d.get(name, MISSING)
+
+
+def restore_attr(obj: Any, name: str, state: tuple[str, Any]) -> None:
+    where, value = state
+    if isinstance(obj, nn.Module):
+        d = obj.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            d.get(table, {}).pop(name, None)
+        d.pop(name, None)
+        if value is not MISSING:
+            (d if where == "__dict__" else d[where])[name] = value
+    elif value is MISSING:
+        if hasattr(obj, name):
+            delattr(obj, name)
+    else:
+        setattr(obj, name, value)
+
+
+def contents(container: Any) -> Any:
+    if isinstance(container, dict):
+        return list(container.items())
+    if isinstance(container, bytearray):
+        return bytes(container)
+    return list(container)
+
+
+def unchanged(container: Any, was: Any) -> bool:
+    if isinstance(container, dict):
+        return len(container) == len(was) and all(dict.get(container, k, MISSING) is v for k, v in was)
+    if isinstance(container, bytearray):
+        return bytes(container) == was
+    if isinstance(container, (set, frozenset)):
+        return len(container) == len(was) and all(x in container for x in was)
+    return len(container) == len(was) and all(a is b for a, b in zip(container, was))
+
+
+def restore_contents(container: Any, was: Any) -> None:
+    if isinstance(container, (dict, set, collections.deque)):
+        container.clear()
+        (container.extend if isinstance(container, collections.deque) else container.update)(was)
+    else:  # list, bytearray
+        container[:] = was
+
+
+def described(obj: Any) -> str:
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}"
+    if isinstance(obj, type):
+        return f"class {obj.__qualname__}"
+    if isinstance(obj, nn.Module):
+        return f"a {type(obj).__name__} module"
+    if isinstance(obj, (list, dict, set, collections.deque, bytearray)):
+        return f"a {type(obj).__name__} of {len(obj)} item{'s' * (len(obj) != 1)}"
+    return f"a {type(obj).__qualname__} object"
+
+
+def shown(value: Any) -> str:
+    if value is MISSING:
+        return "(absent)"
+    if isinstance(value, (int, float, bool, str, type(None))):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {list(value.shape)}"
+    return f"a {type(value).__qualname__}"
+
+
+def undo_global(namespace: dict, name: str, before: Any) -> Callable[[], None]:
+    def undo() -> None:
+        if before is MISSING:
+            namespace.pop(name, None)
+        else:
+            namespace[name] = before
+
+    return undo
+
+
+def undo_cell(cell: types.CellType, before: Any) -> Callable[[], None]:
+    def undo() -> None:
+        if before is MISSING:
+            del cell.cell_contents
+        else:
+            cell.cell_contents = before
+
+    return undo
+
+
+def find_cell(code: types.CodeType, name: str, now: Any) -> types.CellType | None:
+    """The cell in which a closure of `code` holds `name`, found by what it holds now."""
+    index = code.co_freevars.index(name)
+    for ref in gc.get_referrers(code):
+        if isinstance(ref, types.FunctionType) and ref.__code__ is code and ref.__closure__:
+            cell = ref.__closure__[index]
+            if cell.cell_contents is now:
+                return cell
+    return None
+
+
+class Census:
+    """The objects that exist when a capture begins (tensors left out: a write to a tensor is device
+    work, and keeping dropped tensors alive would hold their memory). Holding them keeps any new
+    object from taking an old one's address while the step runs."""
+
+    def __init__(self) -> None:
+        plain = _TENSOR_TYPES
+        self.objects: list | None = [o for o in gc.get_objects() if type(o) not in plain]
+        self._ids: set[int] | None = None
+        self._held: dict[int, tuple[Any, bool]] = {}
+
+    def existed(self, obj: Any) -> bool:
+        """`obj` existed before the capture began, or is held by something that did (a plain dict that
+        the collector did not track then: a dict holding only numbers is not tracked). The second costs
+        one pass over the collector's objects, once per such dict."""
+        if self.objects is None:
+            return True
+        if self._ids is None:
+            self._ids = {id(o) for o in self.objects}
+        if id(obj) in self._ids:
+            return True
+        if type(obj) is not dict:  # only a plain dict can have been left untracked
+            return False
+        cached = self._held.get(id(obj))
+        if cached is None or cached[0] is not obj:
+            objects = self.objects
+            held = any(id(r) in self._ids and r is not objects for r in gc.get_referrers(obj))
+            cached = self._held[id(obj)] = (obj, held)
+        return cached[1]
+
+    def drop(self) -> None:
+        self.objects = self._ids = None
+        self._held.clear()
+
+
+_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
+"""Left out of the census (subclasses are rare enough to keep: DTensor parameters live on anyway)."""

@@ -1,0 +1,342 @@
+"""Writes to Python state that outlives the call, made by the step's own code while it is captured.
+
+A replay runs the captured GPU work and no Python. A write the step's code makes to state that
+outlives the call — `self.seen += 1`, `global CALLS; CALLS += 1`, `self.history.append(loss)`,
+`cfg["smoothing"] = 0.2` — happens eagerly on every call, but with graphstep only in warm-up and at
+capture, then never again: results drift from eager without a word. `WriteWatch` watches the
+capturing run and refuses such writes with the user's line (`PythonWriteError`), after putting back
+every value they changed, so nothing is lost.
+
+What counts: a write made from a *user* frame (not torch's, an installed package's, the standard
+library's or graphstep's own; see `guards.reads.is_user_file`), to an object that existed before the
+capture began — an attribute of an object, module or class, a global, a closure variable of an
+enclosing function, the contents of a list, dict, set, deque or bytearray (item assignment, `del`,
+in-place operators, and their mutating methods). Writes to objects the step creates are fine, and so
+is everything libraries write (DDP, FSDP2, autocast, hooks, transformers and Lightning keep Python
+bookkeeping in every forward), and whatever an eager segment does (it runs on every replay). A write
+that leaves the same object in place (`self.flag = True` when it was True) changes nothing.
+
+How: an opcode tracer (`sys.settrace`) on user frames that contain stores or calls of containers'
+mutating methods (`append`, `update`, ...); the target of each comes from the bytecode (`targets.py`)
+and is compared before and after the instruction. It chains to the tracer installed before (local
+tracers included) and puts it back after; no profile function is installed, so library code pays one
+trace call per Python frame it enters and nothing per C call. What existed before is a census of the
+collector's objects taken when the watch starts (tensors left out).
+
+Limits: user Python that autograd runs on its own threads (a custom backward on CUDA) is not watched;
+writes through `setattr()`, `object.__setattr__`, `vars(obj)[...]`, a C function handed a container
+(`heapq.heappush`), a method called unbound (`list.append(xs, x)`) or kept in a variable, or a user
+container type's own `__setitem__` implemented in C are not seen; a store
+whose target the bytecode analysis does not follow (an attribute of a call's result) is not judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import linecache
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..backends import segments
+from ..errors import PythonWriteError
+from ..guards.reads import is_user_file
+from . import targets, values
+
+log = logging.getLogger("graphstep")
+
+_LOGGING_FILE = os.path.abspath(logging.__file__)
+_LOGGING_CALLS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "log"})
+_SEGMENTS_FILE = os.path.abspath(segments.__file__)
+
+
+def site(frame: types.FrameType, line: int = 0) -> str:
+    """`file:line in function: \\`source\\``, as graphstep's other errors name the user's line."""
+    code, line = frame.f_code, line or frame.f_lineno
+    source = linecache.getline(code.co_filename, line).strip()
+    return f"{code.co_filename}:{line} in {code.co_name}: `{source}`"
+
+
+# -- the watch ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Write:
+    """One refused write: where, what, and how to take it back."""
+
+    where: str
+    what: str
+    undo: Callable[[], None]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A store about to run, with what its target held before."""
+
+    kind: str
+    obj: Any
+    name: Any
+    before: Any
+    text: str
+    line: int = 0
+    """The store's line (the frame may be on the next one when the store is judged)."""
+
+
+class _Local:
+    """The local trace function of one user frame: the watch's, then the one installed before."""
+
+    __slots__ = ("inner", "inner_opcodes", "watch")
+
+    def __init__(self, watch: WriteWatch, inner: Callable | None, inner_opcodes: bool):
+        self.watch, self.inner, self.inner_opcodes = watch, inner, inner_opcodes
+
+    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> _Local:
+        if self.inner is not None and (event != "opcode" or self.inner_opcodes):
+            self.inner = self.inner(frame, event, arg)
+        if event == "opcode":
+            self.watch.opcode(frame)
+        elif event in ("return", "exception"):
+            self.watch.finish(frame)
+        return self
+
+
+class WriteWatch:
+    """Watches one capturing run of the step: `with watch: step(...)`.
+
+    On leaving without an error, refused writes are taken back and raised as `PythonWriteError`
+    (unless `allow`); on leaving with an error, they are taken back and the error goes on. `roll_back`
+    takes them back later too (a capture that failed after the step ran). Enters once: a body that is
+    run again (the eager backend's replays) is not watched again.
+    """
+
+    def __init__(self, step_name: str, *, allow: bool = False, enabled: bool = True):
+        self.step_name = step_name
+        self.allow = allow
+        self.enabled = enabled
+        self.writes: list[Write] = []
+        self.prints: list[str] = []
+        """Sites of `print` and `logging` calls in user frames."""
+        self._used = False
+        self._active = False
+        self._census: values.Census | None = None
+        self._user: dict[types.CodeType, bool] = {}
+        self._pending: dict[types.FrameType, _Pending] = {}
+        self._previous_trace: Any = None
+
+    # -- entering and leaving --------------------------------------------------------------------
+
+    def __enter__(self) -> WriteWatch:
+        if not self.enabled or self._used:
+            return self
+        self._used = True
+        self._previous_trace, profile = sys.gettrace(), sys.getprofile()
+        if self._previous_trace is not None and not callable(self._previous_trace):
+            log.warning(
+                "graphstep: a C-level tracer is active, so %s's capture cannot watch its writes to "
+                "Python state (nothing is refused this time).",
+                self.step_name,
+            )
+            return self
+        if profile is None or callable(profile):  # a Python profiler would see every call the census makes
+            sys.setprofile(None)
+        try:
+            self._census = values.Census()
+        finally:
+            if profile is None or callable(profile):
+                sys.setprofile(profile)
+        self._active = True
+        # Python 3.12 turns opcode events on when a tracer is installed only if some frame of the
+        # process asked for them before (a flag that stays set): ask once, so that the first
+        # capture of a process is watched too.
+        here = sys._getframe()
+        asked = here.f_trace_opcodes
+        here.f_trace_opcodes = True
+        here.f_trace_opcodes = asked
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        if not self._active:
+            return
+        sys.settrace(self._previous_trace)
+        self._active = False
+        for frame in list(self._pending):
+            self.finish(frame)
+        self._census.drop()
+        if kind is not None:
+            self.roll_back()
+            return
+        if self.writes and not self.allow:
+            message = self.message()
+            self.roll_back()
+            raise PythonWriteError(message)
+        if self.writes:
+            log.debug(
+                "graphstep: %s writes Python state at capture (allowed by Config(allow_python_writes=True)); "
+                "replays will not write it again:\n%s",
+                self.step_name,
+                "\n".join(f"  - {w.where}: {w.what}" for w in self.writes),
+            )
+        if self.prints:
+            log.warning(
+                "graphstep: %s prints or logs from inside the step; that runs only while the step's Python "
+                "runs (warm-up and capture), not on replays. Return the values and print them after the "
+                "call instead:\n%s",
+                self.step_name,
+                "\n".join(f"  - {p}" for p in self.prints),
+            )
+
+    def roll_back(self) -> None:
+        """Put back what the refused (or allowed) writes changed, newest first."""
+        writes, self.writes = self.writes, []
+        for write in reversed(writes):
+            write.undo()
+
+    def message(self) -> str:
+        listed = []
+        for w in self.writes:
+            line = f"  - {w.where}: {w.what}"
+            if line not in listed:
+                listed.append(line)
+        return (
+            f"capturing {self.step_name} refused: its code writes Python state that outlives the call:\n"
+            + "\n".join(listed)
+            + "\nA replay runs the captured GPU work only, no Python: eagerly these writes happen on every "
+            "call, with graphstep only in warm-up and at capture, then never again, and the results would "
+            "differ from eager without a word.\n"
+            "Instead: keep the value in a device tensor updated in place (a buffer: "
+            '`self.register_buffer("seen", torch.zeros((), dtype=torch.long))` and `self.seen.add_(1)`), '
+            "move the write out of the step (after the call returns), or return the value from the step. "
+            "A write that changes nothing the step computes may be allowed with "
+            "graphstep.Config(allow_python_writes=True).\n"
+            "Nothing was lost: the model, optimizer, inputs and the Python state written are as they were "
+            "before this call."
+        )
+
+    # -- the hooks ------------------------------------------------------------------------------
+
+    def _is_user(self, code: types.CodeType) -> bool:
+        user = self._user.get(code)
+        if user is None:
+            # Code generated with `exec` (a dataclass's `__init__`, attrs' methods) is nobody's line
+            # to fix; an interactive session's ("<stdin>", "<ipython-input-...>") is the user's.
+            name = code.co_filename
+            generated = name == "<string>" or name.startswith(("<frozen", "<attrs generated"))
+            user = self._user[code] = not generated and is_user_file(name)
+        return user
+
+    def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        inner = self._previous_trace(frame, event, arg) if self._previous_trace is not None else None
+        code = frame.f_code
+        if code.co_filename == _LOGGING_FILE:
+            caller = frame.f_back
+            if code.co_name in _LOGGING_CALLS and caller is not None and self._is_user(caller.f_code):
+                self._note_print(caller)
+            return inner
+        if not self._is_user(code) or not targets.stores(code):
+            return inner
+        inner_opcodes = inner is not None and frame.f_trace_opcodes
+        local = _Local(self, inner, inner_opcodes)
+        # f_trace first: Python 3.12 turns opcode events on only for a frame that has its tracer.
+        frame.f_trace = local
+        frame.f_trace_opcodes = True
+        return local
+
+    def _note_print(self, frame: types.FrameType) -> None:
+        where = site(frame)
+        if where not in self.prints:
+            self.prints.append(where)
+
+    # -- stores ---------------------------------------------------------------------------------
+
+    def opcode(self, frame: types.FrameType) -> None:
+        pending = self._pending.pop(frame, None)
+        if pending is not None:
+            self._complete(pending, frame)
+        store = targets.stores(frame.f_code).get(frame.f_lasti)
+        if store is not None:
+            self._begin(frame, store)
+
+    def finish(self, frame: types.FrameType) -> None:
+        pending = self._pending.pop(frame, None)
+        if pending is not None:
+            self._complete(pending, frame)
+
+    def _begin(self, frame: types.FrameType, store: targets.Store) -> None:
+        self._begin_store(frame, store)
+        pending = self._pending.get(frame)
+        if pending is not None:
+            pending.line = frame.f_lineno
+
+    def _begin_store(self, frame: types.FrameType, store: targets.Store) -> None:
+        kind, name = store.kind, store.name
+        if kind == "print":
+            self._note_print(frame)
+        elif kind == "global":
+            namespace = frame.f_globals
+            self._pending[frame] = _Pending(kind, namespace, name, namespace.get(name, values.MISSING), name)
+        elif kind == "cell":
+            self._pending[frame] = _Pending(kind, None, name, frame.f_locals.get(name, values.MISSING), name)
+        elif kind in ("attr", "item", "call"):
+            obj = targets.evaluate(store.target, frame, frame.f_locals)
+            if obj is targets.UNKNOWN or isinstance(obj, torch.Tensor):
+                return
+            text = targets.render(store.target)
+            if kind == "attr":
+                state = values.attr_state(obj, name)
+                if state is not None:
+                    self._pending[frame] = _Pending(kind, obj, name, state, f"{text}.{name}")
+            elif kind == "call" and name in values.mutators(type(obj)):
+                self._pending[frame] = _Pending(
+                    "item", obj, None, values.contents(obj), f"{text}.{name}(...)"
+                )
+            elif kind == "item" and values.mutators(type(obj)):
+                key = f"[{targets.render(store.key)}]" if store.key is not None else ""
+                self._pending[frame] = _Pending(kind, obj, None, values.contents(obj), text + key)
+
+    def _complete(self, p: _Pending, frame: types.FrameType) -> None:
+        if p.kind == "global":
+            now = p.obj.get(p.name, values.MISSING)
+            if now is p.before:
+                return
+            what = f"global {p.name!r} of {os.path.basename(p.obj.get('__file__', '?'))}"
+            what += f": {values.shown(p.before)} -> {values.shown(now)}"
+            self._refuse(frame, p.line, what, values.undo_global(p.obj, p.name, p.before))
+        elif p.kind == "cell":
+            now = frame.f_locals.get(p.name, values.MISSING)
+            cell = None if now is p.before else values.find_cell(frame.f_code, p.name, now)
+            if cell is not None and self._census.existed(cell):
+                what = f"closure variable {p.name!r} of {frame.f_code.co_name}: {values.shown(p.before)} -> {values.shown(now)}"
+                self._refuse(frame, p.line, what, values.undo_cell(cell, p.before))
+        elif p.kind == "attr":
+            now = values.attr_state(p.obj, p.name)
+            if now is not None and now[0] == p.before[0] and now[1] is p.before[1]:
+                return
+            if self._census.existed(p.obj):
+                what = f"`{p.text}`, attribute {p.name!r} of {values.described(p.obj)}"
+                what += f": {values.shown(p.before[1])} -> {values.shown(values.MISSING if now is None else now[1])}"
+                undo = functools.partial(values.restore_attr, p.obj, p.name, p.before)
+                self._refuse(frame, p.line, what, undo)
+        elif not values.unchanged(p.obj, p.before) and self._census.existed(p.obj):
+            what = f"`{p.text}` changes {values.described(p.obj)} in place"
+            self._refuse(frame, p.line, what, functools.partial(values.restore_contents, p.obj, p.before))
+
+    def _refuse(self, frame: types.FrameType, line: int, what: str, undo: Callable[[], None]) -> None:
+        if _in_segment(frame):  # an eager segment runs on every replay: its writes are repeated
+            return
+        self.writes.append(Write(site(frame, line), what, undo))
+
+
+def _in_segment(frame: types.FrameType | None) -> bool:
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_split" and os.path.abspath(code.co_filename) == _SEGMENTS_FILE:
+            return True
+        frame = frame.f_back
+    return False
