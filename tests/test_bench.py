@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import graphstep
 from graphstep.demo import bench, bench_models, bench_report
 from graphstep.demo.bench_measure import MEASUREMENT, Counts, measure_row
 from graphstep.demo.bench_suites import SUITE_METHODS, suites
@@ -76,10 +77,15 @@ def test_the_whole_step_compiled_turns_compiled_autograd_on_only_until_closed():
 
     assert {"compiled_step", "compiled_step_ro"} <= set(SUITE_METHODS["gpt"])
     workload = suites()["gpt"]["tiny"].build(BuildContext(device=torch.device("cpu"), n_calls=4, tiny=True))
+    graphstep.optim.make_capturable(workload.optimizer)  # as the gpt suite's optimizer is on CUDA
+    assert len(workload.optimizer._optimizer_step_pre_hooks) == 1
     before = dynamo_config.compiled_autograd
     for method in ("compiled_step", "compiled_step_ro"):
         _, close, captured = make_method_step(method, workload)  # compiles lazily: nothing runs yet
         assert dynamo_config.compiled_autograd and captured is None
+        # The live lr made eagerly (not as a cudagraph-tree output), graphstep's pre-hook gone (a graph break).
+        assert isinstance(workload.optimizer.param_groups[0]["lr"], torch.Tensor)
+        assert not workload.optimizer._optimizer_step_pre_hooks
         close()
         assert dynamo_config.compiled_autograd == before
 
