@@ -83,11 +83,10 @@ class Contents:
         self, label: str, value: Any, *, ns: dict | None = None, name: str = "", cell: Any = None
     ) -> bool:
         """Guard the contents of `value` (read through `ns[name]` or `cell`, if given: a rebinding
-        to an equal value is adopted). False when `value` holds no container to guard."""
-        if not walkable(value, self.names):
+        to an equal value is adopted). False: compare the binding by identity instead (`value` is no
+        container, or another root guards its contents already)."""
+        if not walkable(value, self.names) or id(value) in self._ids:
             return False
-        if id(value) in self._ids:  # another root reaches the same object: guarded once
-            return True
         walk = Walk(self.names, self.before, label)
         try:
             frozen = walk.freeze(value, "")
