@@ -6,9 +6,11 @@ graph as surely as the step's own globals. `ReadWatch` watches one run of the st
 warm-up, or the capture itself) with `sys.setprofile` and notes, for every *user* function
 that ran (not torch's, not an installed package's, not the standard library's, not graphstep's
 own; graphstep's demo counts as user code), the globals its bytecode loads and its closure
-cells. `ReadGuard` then compares them before each replay: numbers, bools, strings, None
-and tuples of those by value, anything else by identity, and the fields of dataclass (and
-`SimpleNamespace`) instances found there by value.
+cells, the attribute names it loads, the containers held by `self.x`-style attributes, and the
+containers among its default arguments; and, before the step can write them, a snapshot of
+every container it meets. `ReadGuard` then compares them before each replay: numbers, bools,
+strings, None and tuples of those by value, containers and data objects by content (see
+contents.py), anything else by identity.
 
 What the watch also notes, for `graphstep.explain` rather than for the guard: globals and
 closure cells the step assigns, and module attributes the step writes (a replay does not
@@ -18,8 +20,9 @@ two graphs would undo each other's writes.
 Limits: the profiler sees the calling thread only, so user Python that autograd runs on its
 own threads (a custom `autograd.Function.backward` or a tensor hook during a CUDA backward) is
 not watched; builtins are not guarded; a global's bytecode is read statically, so a branch not
-taken still counts as read; the contents of lists, dicts and other plain objects are not
-guarded (explain lists them); a C-level profiler (cProfile) active at the watch suspends it.
+taken still counts as read; default arguments are found only for functions their caller holds by
+a name (or a global, or a method of their first argument); a C-level profiler (cProfile) active
+at the watch suspends it.
 """
 
 from __future__ import annotations
