@@ -132,7 +132,6 @@ class Contents:
     # -- the check on every replay ------------------------------------------------------------
 
     def holds(self) -> bool:
-        is_ = operator.is_
         for root, ns, name in self.bound:
             now = ns.get(name, MISSING)
             if now is not root.value and not self._adopt(root, now):
@@ -141,25 +140,15 @@ class Contents:
             now = _contents(cell)
             if now is not root.value and not self._adopt(root, now):
                 return False
-        for root, d, keys, values in self.dicts:
-            if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
-                return self._settle(root)
-        for root, get, keys, values in self.subsets:
-            if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
-                return self._settle(root)
-        for root, c, items in self.seqs:
-            if len(c) != len(items) or not all(map(is_, c, items)):
-                return self._settle(root)
+        changed = _changed(self.dicts, self.subsets, self.seqs)
+        if changed is not None:
+            return self._settle(changed)
         watch = self.watch
         if watch is not None and watch.changed():
-            for root, d, keys, values in self.watched_dicts:
-                if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
-                    return self._settle(root)
-            for root, get, keys, values in self.watched_subsets:
-                if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
-                    return self._settle(root)
-            if watch is self.watch:  # not renewed by an adoption meanwhile
-                watch.clear()
+            changed = _changed(self.watched_dicts, self.watched_subsets, ())
+            if changed is not None:
+                return self._settle(changed)
+            watch.clear()
         return True
 
     def _settle(self, root: _Root) -> bool:
@@ -210,6 +199,21 @@ class Contents:
             f"{r.label}: {type(r.value).__qualname__}, {r.walk.entries} entries by content"
             for r in self.roots
         ]
+
+
+def _changed(dicts: list, subsets: list, seqs: list) -> _Root | None:
+    """The root of the first container whose entries are not the objects seen last, if any."""
+    is_ = operator.is_
+    for root, d, keys, values in dicts:
+        if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
+            return root
+    for root, get, keys, values in subsets:
+        if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
+            return root
+    for root, c, items in seqs:
+        if len(c) != len(items) or not all(map(is_, c, items)):
+            return root
+    return None
 
 
 def _contents(cell: types.CellType) -> Any:
