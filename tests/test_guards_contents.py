@@ -8,6 +8,7 @@ without the content guard (the replay would keep the number of the capture)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -29,7 +30,9 @@ def reset_containers():
     hc.reset()
 
 
-def side_by_side(factor, changes, *, model_cls=TinyNet, arguments=(), batch_sizes=(4,), steps=STEPS):
+def side_by_side(
+    factor, changes, *, model_cls=TinyNet, arguments=(), batch_sizes=(4,), steps=STEPS, config=RECORDING
+):
     """Train an eager twin and a captured one whose loss is scaled by `factor(*arguments)`; apply
     `changes[i](eager_model, twin)` before call i. Every call equal to eager."""
     torch.manual_seed(0)
@@ -48,7 +51,7 @@ def side_by_side(factor, changes, *, model_cls=TinyNet, arguments=(), batch_size
         return step
 
     eager = make_step(model, opts[0])
-    step = graphstep.capture(make_step(twin, opts[1]), model=twin, optimizer=opts[1], config=RECORDING)
+    step = graphstep.capture(make_step(twin, opts[1]), model=twin, optimizer=opts[1], config=config)
     for i in range(steps):
         x, y = batches(1, batch_size=batch_sizes[i % len(batch_sizes)], seed=i)[0]
         if i in changes:
@@ -207,9 +210,11 @@ def test_an_attribute_the_step_never_reads_may_change_every_call():
 
 
 def test_what_the_step_writes_is_left_out_and_never_ping_pongs():
-    """The step appends to a list it reads: a replay does not, so two signatures' captures would
-    undo each other's snapshot if the list were guarded."""
-    step = side_by_side(hc.writing_factor, {}, batch_sizes=(2, 4))
+    """The step appends to a list it reads: refused at capture by default (effects/writes.py); a user
+    who allows such writes gets replays that do not append, and two signatures' captures would undo
+    each other's snapshot if the list were guarded."""
+    allowing = dataclasses.replace(RECORDING, allow_python_writes=True)
+    step = side_by_side(hc.writing_factor, {}, batch_sizes=(2, 4), config=allowing)
     assert step.stats.captures == 2
     guard = next(iter(step._lives.values())).current.guard
     assert "global 'HISTORY' in helpers_contents.py" in guard.reads.written
