@@ -39,7 +39,7 @@ import types
 from typing import Any
 
 from . import fastcheck
-from .barriers import MISSING
+from .barriers import MISSING, cell_value
 from .walk import IDENTITY_OK, MAX_ENTRIES, TooLarge, Walk, at, diff, is_data, opaque, snapshot, walkable
 
 __all__ = ["IDENTITY_OK", "MAX_ENTRIES", "Contents", "is_data", "opaque", "snapshot", "walkable"]
@@ -137,7 +137,7 @@ class Contents:
             if now is not root.value and not self._adopt(root, now):
                 return False
         for root, cell in self.cells:
-            now = _contents(cell)
+            now = cell_value(cell)
             if now is not root.value and not self._adopt(root, now):
                 return False
         changed = _changed(self.dicts, self.subsets, self.seqs)
@@ -178,7 +178,7 @@ class Contents:
         found = []
         current = {id(root): root.value for root in self.roots}
         current.update((id(root), ns.get(name, MISSING)) for root, ns, name in self.bound)
-        current.update((id(root), _contents(cell)) for root, cell in self.cells)
+        current.update((id(root), cell_value(cell)) for root, cell in self.cells)
         for root in self.roots:
             walk = Walk(self.names, {}, root.label, root.walk.skip)
             try:
@@ -214,10 +214,3 @@ def _changed(dicts: list, subsets: list, seqs: list) -> _Root | None:
         if len(c) != len(items) or not all(map(is_, c, items)):
             return root
     return None
-
-
-def _contents(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # not assigned yet
-        return MISSING

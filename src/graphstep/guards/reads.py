@@ -42,7 +42,7 @@ from typing import Any
 from torch import nn
 
 from . import barriers, contents
-from .barriers import MISSING, describe, is_simple, same
+from .barriers import MISSING, cell_value, describe, is_simple, same
 from .user_code import is_user_file
 
 log = logging.getLogger("graphstep")
@@ -334,7 +334,7 @@ class ReadWatch:
         for code, fns in functions.items():
             written = _facts(code).cells_written
             for fn in fns:
-                contents = tuple(id(_contents(c)) for c in fn.__closure__ or ())
+                contents = tuple(id(cell_value(c)) for c in fn.__closure__ or ())
                 if len(fns) > 1 and contents not in self._closures[code]:
                     continue  # another closure of the same code, not run by the step
                 for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -361,7 +361,7 @@ def _caller_function(frame: types.FrameType, code: types.CodeType, values: tuple
         if (
             isinstance(fn, types.FunctionType)
             and fn.__code__ is code
-            and tuple(id(_contents(c)) for c in fn.__closure__ or ()) == values
+            and tuple(id(cell_value(c)) for c in fn.__closure__ or ()) == values
         ):
             return fn
     return None
@@ -382,13 +382,6 @@ def _function_of(frame: types.FrameType, code: types.CodeType) -> Any:
         if isinstance(fn, types.FunctionType) and fn.__code__ is code:
             return fn
     return None
-
-
-def _contents(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # not assigned yet
-        return MISSING
 
 
 # -- the guard --------------------------------------------------------------------------------
@@ -415,7 +408,7 @@ class ReadGuard:
                 self.globals.append((label, ns, name, value, is_simple(value)))
         self.cells = []
         for label, cell in reads.cells:
-            value = _contents(cell)
+            value = cell_value(cell)
             if not self.contents.add(label, value, cell=cell):
                 self.cells.append((label, cell, value, is_simple(value)))
         owners = owners or {}
@@ -488,7 +481,7 @@ class ReadGuard:
             (label, ns.get(name, MISSING), value, by_value)
             for label, ns, name, value, by_value in self.globals
         ]
-        current += [(label, _contents(cell), value, by_value) for label, cell, value, by_value in self.cells]
+        current += [(label, cell_value(cell), value, by_value) for label, cell, value, by_value in self.cells]
         for label, now, value, by_value in current:
             if same(now, value, by_value):
                 continue
