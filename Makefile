@@ -18,7 +18,7 @@ TORCH_SITE := import os, torch; print(os.path.dirname(os.path.dirname(torch.__fi
 VENV_SITE := import sysconfig; print(sysconfig.get_path('purelib'))
 TORCH_SAYS := import torch; print(f'make: torch {torch.__version__} ({\"CUDA \" + torch.version.cuda if torch.version.cuda else \"CPU build\"}) from {torch.__path__[0]}')
 
-PYTHON_PATH_TESTS := tests/test_guards.py tests/test_guards_reads.py tests/test_variants.py
+PYTHON_PATH_TESTS := tests/test_guards.py tests/test_guards_reads.py tests/test_guards_contents.py tests/test_variants.py
 # Test processes in parallel (pytest-xdist): "auto" is one per CPU core.
 TEST_WORKERS ?= auto
 

@@ -4,7 +4,10 @@ Times `StateGuard.holds()` (the check every replay pays) for each `Config.check`
 of it (`StateGuard.breakdown()`: structure epoch, module modes and attributes, reads, optimizers,
 grads, requires_grad, data pointers), `holds()` after a module attribute was written with an equal
 value (the barrier marks it; one attribute is compared), and on a GPU the host time of a whole
-replay call. Writes benchmarks/results/<device>_<date>_guards.json.
+replay call. Then the same step reading numbers inside containers (`contents.py`): none, 100 dict
+entries (10 dicts of 10 in one global dict), 100 list items (10 lists of 10), with `holds()` after
+no change and after one entry was written with an equal value. Writes
+benchmarks/results/<device>_<date>_guards.json.
 
 On a GPU machine: `python benchmarks/guard_cost.py` (AdamW capturable, the CUDA graph backend).
 Without one: `python benchmarks/guard_cost.py --device cpu` (the recording backend and SGD with
@@ -28,7 +31,27 @@ import graphstep
 N_LAYERS = 500  # Linear(16, 16) with bias: 2 tensors each -> 1,000 parameter tensors
 
 
-def build(check: str, device: str):
+# Containers a step reads (guarded by content): 100 numbers in dicts, 100 in lists.
+DICTS = {f"group{i}": {f"w{j}": 1.0 for j in range(10)} for i in range(10)}
+LISTS = [[1.0] * 10 for _ in range(10)]
+
+
+def no_factor() -> float:
+    return 1.0
+
+
+def dict_factor() -> float:
+    return sum(w for group in DICTS.values() for w in group.values()) / 100
+
+
+def list_factor() -> float:
+    return sum(w for group in LISTS for w in group) / 100
+
+
+FACTORS = {"none": no_factor, "100 dict entries": dict_factor, "100 list items": list_factor}
+
+
+def build(check: str, device: str, factor=no_factor):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(N_LAYERS)]).to(device)
     if device == "cuda":
@@ -39,7 +62,7 @@ def build(check: str, device: str):
         config = graphstep.Config(check=check, backend="recording")
 
     def step(x):
-        loss = model(x).square().mean()
+        loss = model(x).square().mean() * factor()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -139,15 +162,65 @@ def measure(check: str, device: str, n: int) -> dict:
     return row
 
 
+def measure_reads(device: str, n: int) -> list[dict]:
+    """`holds()` and its reads part for a step reading no container, 100 dict entries, 100 list items."""
+    rows = []
+    for name, factor in FACTORS.items():
+        step, _ = build("full", device, factor)
+        x = torch.randn(8, 16, device=device)
+        for _ in range(5):
+            step(x)
+        sync(device)
+        guard = next(iter(step._lives.values())).current.guard
+        contents = guard.reads.contents
+        row = {
+            "reads": name,
+            "content_roots": len(contents.roots),
+            "dicts_watched": len(contents.watched_dicts),
+            "containers_compared_per_replay": len(contents.dicts)
+            + len(contents.seqs)
+            + len(contents.subsets),
+            "guard_us": round(median_us(guard.holds, n), 2),
+            "reads_us": round(median_us(guard.reads.holds, n), 2),
+        }
+        if name != "none":
+            group = DICTS["group0"] if factor is dict_factor else LISTS[0]
+            key = "w0" if factor is dict_factor else 0
+            one = 1.0
+
+            def write_equal(group=group, key=key, one=one):
+                group[key] = one + 0.0  # equal, another float object
+
+            def write_and_check(guard=guard):
+                write_equal()
+                return guard.reads.holds()
+
+            assert write_and_check(), "an equal value must not fail the guard"
+            row["reads_after_equal_write_us"] = round(
+                median_us(write_and_check, n // 4) - median_us(write_equal, n // 4), 2
+            )
+        if device == "cuda":
+
+            def call(step=step, x=x):
+                step(x)
+                torch.cuda.synchronize()
+
+            row["replay_call_us"] = round(median_us(call, 300), 1)
+        step.close()
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("-n", type=int, default=2000, help="timed calls per measurement")
     parser.add_argument("--tag", default="", help="added to the file name (e.g. before, cpp)")
+    parser.add_argument("--reads-only", action="store_true", help="only the rows of container reads")
     args = parser.parse_args()
     rows = []
-    for check in ("full", "strict", "off"):
+    for check in () if args.reads_only else ("full", "strict", "off"):
         row = measure(check, args.device, args.n)
         rows.append(row)
         print(f"check={check:6s} holds() {row['guard_us']:8.2f} us   tracked {row['tracked_tensors']}")
@@ -157,6 +230,20 @@ def main() -> None:
             print(f"    {'holds() after equal write':26s} {row['guard_after_equal_write_us']:8.2f} us")
         if "replay_call_us" in row:
             print(f"    whole call, synchronised {row['replay_call_us']:8.1f} us")
+    from graphstep.guards import fastcheck
+
+    read_rows = measure_reads(args.device, args.n)
+    for row in read_rows:
+        extra = (
+            f"  after an equal write {row['reads_after_equal_write_us']:.2f} us"
+            if "reads_after_equal_write_us" in row
+            else ""
+        )
+        call = f"  whole call {row['replay_call_us']:.1f} us" if "replay_call_us" in row else ""
+        print(
+            f"reads={row['reads']:17s} holds() {row['guard_us']:8.2f} us   reads part {row['reads_us']:6.2f} us"
+            f"   dicts watched {row['dicts_watched']}{extra}{call}"
+        )
     optimizer = "AdamW(capturable, foreach)" if args.device == "cuda" else "SGD(momentum=0.9, foreach)"
     result = {
         **header(args.device),
@@ -164,8 +251,14 @@ def main() -> None:
         f"lowest of {ROUNDS} medians of StateGuard.holds() over {args.n // ROUNDS} calls each; parts_us: each "
         "part of holds() alone, timed the same way; replay_call_us (GPU): the same for a whole call (copy input, guard, replay, clone loss) followed "
         "by torch.cuda.synchronize(), over 300 calls in all",
-        "cpp_helper": bool(rows[0].get("parts_us", {}).get("pointers_and_requires_grad_cpp")),
+        "cpp_helper": fastcheck.helper() is not None,
         "rows": rows,
+        "dict_watcher": bool(getattr(fastcheck.helper(), "watches_dicts", False)),
+        "reads_rows": read_rows,
+        "reads_config": "check='full'; the step multiplies its loss by a Python number computed from the "
+        "containers; reads_us: ReadGuard.holds() alone (bindings and contents); reads_after_equal_write_us: "
+        "one entry rewritten with an equal float before each check (the check compares, then adopts), less "
+        "the write itself",
     }
     write(result, args.out, "guards" + (f"_{args.tag}" if args.tag else ""))
 

@@ -148,7 +148,7 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
         bindings=[label for label, _, _ in bindings(fn)],
         hazards=hazards,
         reads=[f"{label} = {value!r}" for label, value in read_guard.objects() if is_simple(value)]
-        + [f"{label}, field {name!r} = {value!r}" for label, _, name, value in read_guard.fields],
+        + read_guard.contents.describe(),
     )
 
 
@@ -160,13 +160,13 @@ def _read_hazards(state: Any, reads: Reads, guard: ReadGuard) -> list[str]:
             "only the step function's own are guarded"
         )
     hazards += [
-        f"{what}, read by the step: a change to them is not seen. Keep such numbers in module "
-        "attributes, dataclass fields or globals of their own, or pass them as tensors"
-        for what in guard.unguarded
+        f"{what}, read by the step: a change to it is not seen. Keep such numbers in plain "
+        "containers, dataclass fields or globals of their own, or pass them as tensors"
+        for what in guard.unguarded + guard.contents.unguarded
     ]
     names = {id(m): n for prefix, root in state.named_modules_roots() for n, m in _named(prefix, root)}
     written = [f"{names[i]}.{attr}" for i, attr in sorted(reads.module_writes, key=str) if i in names]
-    written += reads.written
+    written += reads.written + guard.written
     hazards += [
         f"{what} is written by the step: a replay runs no Python, so it keeps the value of the capture "
         "(and a change to it between calls is not guarded). Return such values from the step instead"
@@ -195,10 +195,11 @@ def _dry_run(
         restore=True,
     )
     try:
+        arguments = sig.non_tensor_arguments(args, kwargs)
         with (
             HostSyncWatch(cuda=backend.name == "cuda") as watch,
             library_segments.calls_as_segments("explain", capturing=False) as segments,
-            ReadWatch() as reads,
+            ReadWatch(arguments) as reads,
             draws,
             undo,
         ):

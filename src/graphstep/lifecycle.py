@@ -403,7 +403,8 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
 
     recording, error = None, None
     try:
-        with ranged("graphstep.capture"), ReadWatch() as watch:  # what the step's Python reads
+        # What the step's Python reads, its non-tensor arguments' contents included.
+        with ranged("graphstep.capture"), ReadWatch(sig.non_tensor_arguments(args, kwargs)) as watch:
             recording = backend.capture(body, args, kwargs, ctx.generators)
     except BaseException as exc:
         error = exc
@@ -434,6 +435,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
             eager_optimizers=ctx.modes.eager,
             unbaked=ctx.optim.can_stay_in_graph,
         )
+        guard.reads.log_unguarded(ctx.name)
     if isinstance(backend, CudaGraphBackend):
         torch.cuda.synchronize(backend.index)
     ctx.stats.captures += 1

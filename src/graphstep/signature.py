@@ -102,6 +102,16 @@ def paths(spec: Any, root: str) -> Iterator[tuple[str, Any]]:
             yield from paths(child, f"{root}[{i}]")
 
 
+def non_tensor_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """(path, value) of every non-tensor leaf of a call's arguments (`args[1]`, `kwargs['cfg']`)."""
+    _, spec = flatten((args, kwargs))
+    return [
+        (f"argument {path}", value_of(leaf))
+        for path, leaf in argument_paths(spec)
+        if not is_tensor_leaf(leaf)
+    ]
+
+
 def is_tensor_leaf(leaf_spec: Any) -> bool:
     return leaf_spec is _TENSOR
 

@@ -212,3 +212,48 @@ def test_variants_for_train_eval_flips_and_freezing_on_the_demo_gpt():
     with deterministic():
         step, _ = side_by_side(pair, make_step, data, between=between)
     assert step.stats.captures <= 12 and step.stats.variant_switches > 0
+
+
+LOSS_CFG = {"smoothing": 0.0, "aux": {"weight": 0.1}}  # a config dict the loss reads, changed in place
+AUX_TERMS = [1.0, 0.5]  # a list the loss reads, changed in place
+
+
+def test_transformers_gpt2_loss_reading_a_config_dict_and_list_changed_in_place():
+    """Label smoothing and an auxiliary weight read from a dict and a list that the training loop
+    changes in place every few steps (a curriculum): each new value picks or captures a graph, and
+    every step stays bitwise equal to eager."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+
+    def make_step(model, opt):
+        def step(input_ids, attention_mask, labels):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten(),
+                label_smoothing=LOSS_CFG["smoothing"],
+            )
+            loss = loss + LOSS_CFG["aux"]["weight"] * AUX_TERMS[0] * logits.float().square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    def curriculum(i, model):
+        LOSS_CFG["smoothing"] = (0.0, 0.1, 0.2)[(i // 5) % 3]  # 0.0 again from call 15: the first graph
+        LOSS_CFG["aux"]["weight"] = 0.1 if i < 12 else 0.05
+        AUX_TERMS[0] = 1.0 if (i // 7) % 2 == 0 else 0.5
+
+    pair = twins(
+        lambda: transformers.GPT2LMHeadModel(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4)
+    )
+    try:
+        with deterministic(), transformers_capture_path():
+            step, _ = side_by_side(pair, make_step, hf_data(512), between=curriculum)
+    finally:
+        LOSS_CFG["smoothing"], LOSS_CFG["aux"]["weight"], AUX_TERMS[0] = 0.0, 0.1, 1.0
+    assert step.stats.captures >= 4 and step.stats.variants >= 3, step.stats

@@ -7,9 +7,13 @@
 // are what they were when the check was made.
 
 // Only the headers it needs (not torch/extension.h): it compiles in about half the time.
+// GRAPHSTEP_DICTS_ONLY builds the dict checks alone, without torch (to test them on other Pythons).
 #include <pybind11/pybind11.h>
+#ifndef GRAPHSTEP_DICTS_ONLY
 #include <torch/csrc/autograd/python_variable.h>
+#endif
 
+#include <algorithm>
 #include <unordered_map>
 #include <vector>
 
@@ -17,6 +21,7 @@ namespace py = pybind11;
 
 namespace {
 
+#ifndef GRAPHSTEP_DICTS_ONLY
 class TensorCheck {
  public:
   TensorCheck(const py::list& tensors, const py::list& requiring, const py::list& frozen)
@@ -73,18 +78,29 @@ class TensorCheck {
   std::vector<PyObject*> requiring_;  // parameters not among tensors_
   std::vector<PyObject*> frozen_;
 };
+#endif  // GRAPHSTEP_DICTS_ONLY
 
 // A write barrier for dicts, from Python 3.12 on (PEP 699's dict watchers): every change to a
 // watched dict (set, delete, clear, update, pop, ...) counts one event. A check that watches the
 // dicts it compares needs no walk while no event happened since it last held. Dicts stay watched
 // for their lifetime (unwatching one might blind another check that watches it too).
+class DictWatch;
+// Which DictWatch objects watch a dict, by the dict's address. Allocated once and never freed: a
+// dict event can come during interpreter shutdown, after static destructors ran.
+auto& watchers_of = *new std::unordered_map<PyObject*, std::vector<DictWatch*>>();
+[[maybe_unused]] void mark_changed(DictWatch* watch);
+
 #if PY_VERSION_HEX >= 0x030C0000
 constexpr bool kWatchesDicts = true;
 int dict_watcher = -2;  // -2: not asked for yet; -1: none to be had (all watcher ids taken)
 unsigned long long dict_events = 0;
 
-int count_dict_event(PyDict_WatchEvent, PyObject*, PyObject*, PyObject*) {
+int count_dict_event(PyDict_WatchEvent, PyObject* dict, PyObject*, PyObject*) {
   ++dict_events;
+  auto found = watchers_of.find(dict);
+  if (found != watchers_of.end()) {
+    for (DictWatch* w : found->second) mark_changed(w);
+  }
   return 0;
 }
 
@@ -203,6 +219,48 @@ class StateCheck {
   std::vector<PyObject*> values_;
 };
 
+// The dicts one guard compares (see contents.py), and whether any of them changed since `clear()`:
+// a replay after no change asks one flag instead of comparing their entries. Where dicts cannot be
+// watched (before Python 3.12, or no watcher id left), `watch()` says so and the caller compares.
+class DictWatch {
+ public:
+  DictWatch() = default;
+  DictWatch(const DictWatch&) = delete;
+  DictWatch& operator=(const DictWatch&) = delete;
+  ~DictWatch() {
+    for (PyObject* d : dicts_) {
+      auto found = watchers_of.find(d);
+      if (found == watchers_of.end()) continue;
+      auto& list = found->second;
+      list.erase(std::remove(list.begin(), list.end(), this), list.end());
+      if (list.empty()) watchers_of.erase(found);
+    }
+  }
+
+  bool watch_dict(const py::object& d) {
+    if (!PyDict_Check(d.ptr()) || !watch(d.ptr())) {
+      return false;
+    }
+    if (std::find(dicts_.begin(), dicts_.end(), d.ptr()) == dicts_.end()) {
+      keep_.append(d);  // a strong reference: the address stays this dict's while watched
+      dicts_.push_back(d.ptr());
+      watchers_of[d.ptr()].push_back(this);
+    }
+    return true;
+  }
+
+  bool changed() const { return changed_; }
+  void clear() { changed_ = false; }
+  void set_changed() { changed_ = true; }
+
+ private:
+  py::list keep_;
+  std::vector<PyObject*> dicts_;
+  bool changed_ = false;
+};
+
+void mark_changed(DictWatch* watch) { watch->set_changed(); }
+
 }  // namespace
 
 #ifndef GRAPHSTEP_TORCH_VERSION
@@ -213,9 +271,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The torch it was compiled against: fastcheck.py refuses it under any other (its ABI may differ).
   m.attr("torch_version") = GRAPHSTEP_TORCH_VERSION;
   m.attr("watches_dicts") = kWatchesDicts;
+#ifndef GRAPHSTEP_DICTS_ONLY
   py::class_<TensorCheck>(m, "TensorCheck")
       .def(py::init<const py::list&, const py::list&, const py::list&>())
       .def("holds", &TensorCheck::holds);
+#endif
+  py::class_<DictWatch>(m, "DictWatch")
+      .def(py::init<>())
+      .def("watch", &DictWatch::watch_dict)
+      .def("changed", &DictWatch::changed)
+      .def("clear", &DictWatch::clear);
   py::class_<StateCheck>(m, "StateCheck")
       .def(py::init<const py::list&>())
       .def("holds", &StateCheck::holds)

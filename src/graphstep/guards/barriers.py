@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 import numbers
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -269,3 +270,11 @@ def _unwatch(ids: list[int], dirty: set) -> None:
         sets[:] = [s for s in sets if s is not dirty]
         if not sets:
             del _watchers[i]
+
+
+def cell_value(cell: types.CellType) -> Any:
+    """What a closure cell holds, or MISSING while it is not assigned yet."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return MISSING

@@ -6,9 +6,11 @@ graph as surely as the step's own globals. `ReadWatch` watches one run of the st
 warm-up, or the capture itself) with `sys.setprofile` and notes, for every *user* function
 that ran (not torch's, not an installed package's, not the standard library's, not graphstep's
 own; graphstep's demo counts as user code), the globals its bytecode loads and its closure
-cells. `ReadGuard` then compares them before each replay: numbers, bools, strings, None
-and tuples of those by value, anything else by identity, and the fields of dataclass (and
-`SimpleNamespace`) instances found there by value.
+cells, the attribute names it loads, the containers held by `self.x`-style attributes, and the
+containers among its default arguments; and, before the step can write them, a snapshot of
+every container it meets. `ReadGuard` then compares them before each replay: numbers, bools,
+strings, None and tuples of those by value, containers and data objects by content (see
+contents.py), anything else by identity.
 
 What the watch also notes, for `graphstep.explain` rather than for the guard: globals and
 closure cells the step assigns, and module attributes the step writes (a replay does not
@@ -18,8 +20,9 @@ two graphs would undo each other's writes.
 Limits: the profiler sees the calling thread only, so user Python that autograd runs on its
 own threads (a custom `autograd.Function.backward` or a tensor hook during a CUDA backward) is
 not watched; builtins are not guarded; a global's bytecode is read statically, so a branch not
-taken still counts as read; the contents of lists, dicts and other plain objects are not
-guarded (explain lists them); a C-level profiler (cProfile) active at the watch suspends it.
+taken still counts as read; default arguments are found only for functions their caller holds by
+a name (or a global, or a method of their first argument); a C-level profiler (cProfile) active
+at the watch suspends it.
 """
 
 from __future__ import annotations
@@ -28,54 +31,21 @@ import dataclasses
 import dis
 import functools
 import gc
+import inspect
 import logging
 import os
-import site
 import sys
-import sysconfig
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
-from . import barriers
-from .barriers import MISSING, describe, is_simple, same
+from . import barriers, contents
+from .barriers import MISSING, cell_value, describe, is_simple, same
+from .user_code import is_user_file
 
 log = logging.getLogger("graphstep")
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graphstep/, above guards/
-_DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo")
-
-
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
-    dirs = {os.path.dirname(os.path.abspath(torch.__file__)), _PACKAGE_DIR}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.add(os.path.abspath(path))
-    try:
-        dirs.update(os.path.abspath(p) for p in site.getsitepackages())
-        dirs.add(os.path.abspath(site.getusersitepackages()))
-    except AttributeError:  # a virtualenv's old site module
-        pass
-    return tuple(sorted(d.rstrip(os.sep) + os.sep for d in dirs))
-
-
-@functools.lru_cache(maxsize=4096)
-def is_user_file(filename: str) -> bool:
-    """User code: not torch, an installed package, the standard library or graphstep (its demo
-    is user code, like a training script)."""
-    if filename.startswith("<frozen"):
-        return False
-    path = os.path.abspath(filename)
-    if path.startswith(_DEMO_DIR + os.sep):
-        return True
-    if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
-        return False
-    return not path.startswith(_library_dirs())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +55,29 @@ class _CodeFacts:
     cells_written: frozenset[str]
     module_attributes: tuple[tuple[str, str], ...]
     """(global, attribute) for `config.TEMPERATURE`: a global followed by an attribute load."""
+    attributes_read: frozenset[str]
+    """Every attribute name the code loads (`x.weight`, `self.cfg`, `obj.method()`)."""
+    object_attributes: tuple[tuple[str, str, str], ...]
+    """(how, variable, attribute) for `self.cfg`, `model.weights`: how is "fast" (a local or an
+    argument), "deref" (a closure variable) or "global"."""
+
+
+_LOADS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "deref"}
+
+
+def _loaded(ins: dis.Instruction) -> tuple[str, str] | None:
+    """(how, name) of the variable an instruction pushes last, if it loads one."""
+    if ins.opname in _LOADS:
+        return _LOADS[ins.opname], ins.argval
+    if ins.opname.startswith("LOAD_FAST"):  # LOAD_FAST_CHECK, LOAD_FAST_LOAD_FAST (3.13), _BORROW (3.14)
+        name = ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval
+        return ("fast", name) if isinstance(name, str) else None
+    return None
 
 
 @functools.lru_cache(maxsize=8192)
 def _facts(code: types.CodeType) -> _CodeFacts:
-    read, written, cells, attributes = [], set(), set(), []
+    read, written, cells, attributes, loaded, pairs = [], set(), set(), [], set(), []
     previous = None
     for ins in dis.get_instructions(code):
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval not in read:
@@ -98,16 +86,18 @@ def _facts(code: types.CodeType) -> _CodeFacts:
             written.add(ins.argval)
         elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in code.co_freevars:
             cells.add(ins.argval)
-        elif (
-            ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
-            and previous is not None
-            and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-            and (previous.argval, ins.argval) not in attributes
-        ):
-            attributes.append((previous.argval, ins.argval))
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(ins.argval, str):
+            loaded.add(ins.argval)
+            source = _loaded(previous) if previous is not None else None
+            if source is not None and (*source, ins.argval) not in pairs:
+                pairs.append((*source, ins.argval))
+            if source is not None and source[0] == "global" and (source[1], ins.argval) not in attributes:
+                attributes.append((source[1], ins.argval))
         if ins.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL"):
             previous = ins
-    return _CodeFacts(tuple(read), frozenset(written), frozenset(cells), tuple(attributes))
+    return _CodeFacts(
+        tuple(read), frozenset(written), frozenset(cells), tuple(attributes), frozenset(loaded), tuple(pairs)
+    )
 
 
 def _user_module_namespace(value: Any) -> dict | None:
@@ -150,6 +140,18 @@ class Reads:
     """(id(module), attribute) pairs the step wrote through `Module.__setattr__`."""
     complete: bool = True
     """False when the watch could not run (another profiler was active)."""
+    attribute_names: frozenset[str] = frozenset()
+    """Attribute names the user's code that ran loads: the attributes of user objects guarded."""
+    attributes: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
+    """(object, name): containers held by modules' and objects' attributes that user code loads."""
+    defaults: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    """(label, value): containers that are default arguments of user functions that ran."""
+    arguments: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    """(label, value): the step's non-tensor arguments that are containers or objects."""
+    modules: list[nn.Module] = dataclasses.field(default_factory=list)
+    """Modules whose user-written methods ran (`self`), which the step may not name otherwise."""
+    before: dict[int, Any] = dataclasses.field(default_factory=dict)
+    """`contents.snapshot`s of the containers read, taken before the step could write them."""
 
     @classmethod
     def of_function(cls, fn: Callable) -> Reads:
@@ -157,9 +159,10 @@ class Reads:
         code = getattr(fn, "__code__", None)
         if code is None:
             return cls()
-        reads = cls(functions=[_describe_code(code)])
         namespace = getattr(fn, "__globals__", {})
         codes = [code, *(c for c in code.co_consts if isinstance(c, types.CodeType))]
+        names = frozenset().union(*(_facts(c).attributes_read for c in codes))
+        reads = cls(functions=[_describe_code(code)], attribute_names=names)
         written = set().union(*(_facts(c).globals_written for c in codes))
         for c in codes:
             for ns, name in _global_locations(c, namespace):
@@ -187,11 +190,15 @@ class ReadWatch:
     """Watches one run of the step: `with ReadWatch() as watch: step(...)`, then `watch.reads`.
 
     Installs a profile function on the calling thread for the duration (restoring the previous
-    one after), and a listener on module attribute writes.
+    one after), and a listener on module attribute writes. `arguments`: (label, value) of the
+    step's non-tensor arguments, whose contents are guarded too.
     """
 
-    def __init__(self) -> None:
-        self.reads = Reads()
+    def __init__(self, arguments: list[tuple[str, Any]] = ()) -> None:
+        self.reads = Reads(arguments=[(label, v) for label, v in arguments if contents.walkable(v, None)])
+        self._names: set[str] = set()
+        self._owners: dict[tuple[int, str], tuple[Any, str]] = {}
+        self._modules: dict[int, nn.Module] = {}
         self._codes: dict[types.CodeType, bool] = {}  # code -> is user code
         self._namespaces: dict[tuple[int, str], tuple[dict, str]] = {}
         self._written_globals: set[tuple[int, str]] = set()
@@ -214,6 +221,8 @@ class ReadWatch:
             self.reads.complete = False
             return self
         self._chain = self._previous
+        for _, value in self.reads.arguments:
+            contents.snapshot(value, self.reads.before)
         barriers.add_listener(self._on_write)
         sys.setprofile(self._profile)
         return self
@@ -252,12 +261,49 @@ class ReadWatch:
     def _first_call(self, frame: types.FrameType, code: types.CodeType) -> None:
         facts = _facts(code)
         namespace = frame.f_globals
+        before = self.reads.before
         for ns, name in _global_locations(code, namespace):
             self._namespaces.setdefault((id(ns), name), (ns, name))
+            contents.snapshot(ns.get(name), before)
         self._written_globals.update((id(namespace), n) for n in facts.globals_written)
+        local = frame.f_locals
         if [n for n in code.co_freevars if n != "__class__"]:
             self._closures[code] = set()
+            for n in code.co_freevars:
+                contents.snapshot(local.get(n), before)
+        self._names |= facts.attributes_read
+        for how, variable, attribute in facts.object_attributes:
+            owner = namespace.get(variable) if how == "global" else local.get(variable)
+            if how == "fast" or isinstance(owner, nn.Module):  # other objects are walked as globals or cells
+                self._attribute(owner, attribute)
+        if code.co_argcount or code.co_kwonlyargcount:
+            self._defaults(frame, code)
         self.reads.functions.append(_describe_code(code))
+
+    def _attribute(self, owner: Any, attribute: str) -> None:
+        """`owner.attribute` loaded by user code: a container there is guarded by content."""
+        if isinstance(owner, nn.Module):
+            self._modules.setdefault(id(owner), owner)
+        elif owner is None or isinstance(owner, contents.IDENTITY_OK) or not hasattr(owner, "__dict__"):
+            return
+        value = vars(owner).get(attribute, MISSING)
+        if contents.walkable(value, None) and (id(owner), attribute) not in self._owners:
+            self._owners[(id(owner), attribute)] = (owner, attribute)
+            contents.snapshot(value, self.reads.before)
+
+    def _defaults(self, frame: types.FrameType, code: types.CodeType) -> None:
+        """Containers among the default arguments of the function running in `frame`, if found."""
+        fn = _function_of(frame, code)
+        if fn is None:
+            return
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = list(
+            zip(positional[len(positional) - len(fn.__defaults__ or ()) :], fn.__defaults__ or ())
+        )
+        for name, value in defaults + list((fn.__kwdefaults__ or {}).items()):
+            if contents.walkable(value, None):
+                self.reads.defaults.append((f"default of {name!r} in {_describe_code(code)}", value))
+                contents.snapshot(value, self.reads.before)
 
     def _finish(self) -> None:
         reads = self.reads
@@ -268,6 +314,9 @@ class ReadWatch:
             elif name in namespace:  # otherwise a builtin
                 reads.globals.append((label, namespace, name))
         reads.module_writes = frozenset(self._module_writes)
+        reads.attribute_names = frozenset(self._names)
+        reads.attributes = [a for key, a in self._owners.items() if key not in reads.module_writes]
+        reads.modules = list(self._modules.values())
         if not self._closures:
             return
         # A frame does not know its function object. Most were found in their caller's names;
@@ -285,7 +334,7 @@ class ReadWatch:
         for code, fns in functions.items():
             written = _facts(code).cells_written
             for fn in fns:
-                contents = tuple(id(_contents(c)) for c in fn.__closure__ or ())
+                contents = tuple(id(cell_value(c)) for c in fn.__closure__ or ())
                 if len(fns) > 1 and contents not in self._closures[code]:
                     continue  # another closure of the same code, not run by the step
                 for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -312,99 +361,104 @@ def _caller_function(frame: types.FrameType, code: types.CodeType, values: tuple
         if (
             isinstance(fn, types.FunctionType)
             and fn.__code__ is code
-            and tuple(id(_contents(c)) for c in fn.__closure__ or ()) == values
+            and tuple(id(cell_value(c)) for c in fn.__closure__ or ()) == values
         ):
             return fn
     return None
 
 
-def _contents(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # not assigned yet
-        return MISSING
+def _function_of(frame: types.FrameType, code: types.CodeType) -> Any:
+    """The function running in `frame`, where it is cheap to find: a global of its name, a method
+    of its first argument's class, or a name in its caller's frame. None otherwise."""
+    candidates = [frame.f_globals.get(code.co_name)]
+    if code.co_argcount:
+        first = frame.f_locals.get(code.co_varnames[0])
+        candidates.append(inspect.getattr_static(type(first), code.co_name, None))
+    if frame.f_back is not None:
+        candidates += frame.f_back.f_locals.values()
+    for value in candidates:
+        fn = getattr(value, "__func__", value)  # bound method, staticmethod, classmethod
+        fn = fn.func if isinstance(fn, functools.partial) else fn
+        if isinstance(fn, types.FunctionType) and fn.__code__ is code:
+            return fn
+    return None
 
 
 # -- the guard --------------------------------------------------------------------------------
 
-_IDENTITY_OK = (
-    torch.Tensor,
-    nn.Module,
-    torch.optim.Optimizer,
-    torch.Generator,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-    type,
-    functools.partial,
-)
-"""Objects whose identity is all a graph depends on (their own state is guarded elsewhere,
-or is code)."""
-
-
-def _plain_fields(obj: Any) -> list[str] | None:
-    """The field names of a mutable dataclass instance or a SimpleNamespace; None otherwise."""
-    if isinstance(obj, types.SimpleNamespace):
-        return sorted(vars(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        if obj.__dataclass_params__.frozen:
-            return []
-        return [f.name for f in dataclasses.fields(obj)]
-    return None
-
-
-def _user_class(cls: type) -> bool:
-    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return isinstance(file, str) and is_user_file(file)
+_named: set[str] = set()
+"""What `log_unguarded` has named in this process (each is named once)."""
 
 
 class ReadGuard:
-    """The values behind a `Reads`, as they are now, and the check that they still are."""
+    """The values behind a `Reads`, as they are now, and the check that they still are.
 
-    def __init__(self, reads: Reads):
-        self.globals = [
-            (label, ns, name, value, is_simple(value))
-            for label, ns, name in reads.globals
-            for value in [ns.get(name, MISSING)]
+    Bindings (a global, a closure cell) are compared by value where they hold a simple value, else
+    by identity; containers and data objects they hold, by content (see contents.py), and so are
+    containers in default arguments, in the step's arguments and in attributes user code loads.
+    `owners`: names for modules by id (`model.encoder`), to label their attributes.
+    """
+
+    def __init__(self, reads: Reads, owners: dict[int, str] | None = None):
+        self.contents = contents.Contents(reads.attribute_names, reads.before)
+        self.globals = []
+        for label, ns, name in reads.globals:
+            value = ns.get(name, MISSING)
+            if not self.contents.add(label, value, ns=ns, name=name):
+                self.globals.append((label, ns, name, value, is_simple(value)))
+        self.cells = []
+        for label, cell in reads.cells:
+            value = cell_value(cell)
+            if not self.contents.add(label, value, cell=cell):
+                self.cells.append((label, cell, value, is_simple(value)))
+        owners = owners or {}
+        for owner, name in reads.attributes:
+            where = owners.get(id(owner)) or f"a {type(owner).__qualname__}"
+            self.contents.add(f"{where}.{name}", vars(owner).get(name, MISSING), ns=vars(owner), name=name)
+        for label, value in reads.defaults + reads.arguments:
+            self.contents.add(label, value)
+        self.contents.before = {}  # its ids are valid only while `reads` keeps the objects alive
+        self.modules = reads.modules
+        self.unguarded = [
+            f"{label} ({type(value).__qualname__}): graphstep cannot see into it"
+            for label, value in self.objects()
+            if contents.opaque(value)
         ]
-        self.cells = [
-            (label, cell, value, is_simple(value))
-            for label, cell in reads.cells
-            for value in [_contents(cell)]
-        ]
-        self.fields: list[tuple[str, Any, str, Any]] = []
-        """(label, object, field, value): simple fields of dataclass instances read by the step."""
-        self.unguarded: list[str] = []
-        """Objects read whose contents nothing guards (lists, dicts, other plain objects)."""
-        for label, value in self.objects():
-            self._add_fields(label, value, depth=0)
 
     def objects(self) -> list[tuple[str, Any]]:
-        return [(label, value) for label, _, _, value, _ in self.globals] + [
-            (label, value) for label, _, value, _ in self.cells
-        ]
+        """The values read through bindings (globals, closure cells), content-guarded ones too."""
+        return (
+            [(label, value) for label, _, _, value, _ in self.globals]
+            + [(label, value) for label, _, value, _ in self.cells]
+            + [(root.label, root.value) for root in self.contents.roots]
+        )
+
+    def reached(self) -> list[tuple[str, Any]]:
+        """`objects()`, and the modules and tensors found inside the containers read."""
+        return self.objects() + self.contents.found + [(type(m).__qualname__, m) for m in self.modules]
+
+    @property
+    def written(self) -> list[str]:
+        """Entries of containers the step itself wrote during the watched run (left out)."""
+        return self.contents.written
 
     def watch_fields(self, label: str, value: Any) -> None:
-        """Guard the fields of a dataclass instance held elsewhere (a module's `self.config`):
-        nothing else sees a write to them."""
-        if _plain_fields(value) and all(value is not obj for _, obj, _, _ in self.fields):
-            self._add_fields(label, value, depth=0)
+        """Guard a data object held by a module (a config dataclass kept as `self.config`) by content:
+        nothing else sees a write to its fields."""
+        if contents.is_data(value):
+            self.contents.add(label, value)
 
-    def _add_fields(self, label: str, value: Any, depth: int) -> None:
-        if is_simple(value) or value is MISSING or isinstance(value, _IDENTITY_OK):
-            return
-        names = _plain_fields(value)
-        if names is None:
-            if isinstance(value, (dict, list, set, bytearray)) or _user_class(type(value)):
-                self.unguarded.append(f"{label} ({type(value).__qualname__}): its contents are not guarded")
-            return
-        for name in names:
-            field = getattr(value, name, MISSING)
-            if is_simple(field):
-                self.fields.append((label, value, name, field))
-            elif depth < 2:
-                self._add_fields(f"{label}.{name}", field, depth + 1)
+    def log_unguarded(self, step: str) -> None:
+        """Name, once per process, what the step reads that no guard can watch."""
+        new = [u for u in self.unguarded + self.contents.unguarded if u not in _named]
+        if new:
+            _named.update(new)
+            log.warning(
+                "graphstep: %s reads values whose contents no guard watches; a change to them between "
+                "calls is not seen by the graph:\n%s",
+                step,
+                "\n".join(f"  - {u}" for u in new),
+            )
 
     def holds(self) -> bool:
         for _, ns, name, value, by_value in self.globals:
@@ -418,11 +472,7 @@ class ReadGuard:
                 return False
             if now is not value and not (by_value and type(now) is type(value) and now == value):
                 return False
-        for _, obj, name, value in self.fields:
-            now = getattr(obj, name, MISSING)
-            if now is not value and not (type(now) is type(value) and now == value):
-                return False
-        return True
+        return not self.contents.roots or self.contents.holds()
 
     def changes(self) -> list[tuple[str, bool]]:
         """(text, is_value_change) per difference."""
@@ -431,7 +481,7 @@ class ReadGuard:
             (label, ns.get(name, MISSING), value, by_value)
             for label, ns, name, value, by_value in self.globals
         ]
-        current += [(label, _contents(cell), value, by_value) for label, cell, value, by_value in self.cells]
+        current += [(label, cell_value(cell), value, by_value) for label, cell, value, by_value in self.cells]
         for label, now, value, by_value in current:
             if same(now, value, by_value):
                 continue
@@ -439,8 +489,4 @@ class ReadGuard:
                 found.append((f"{label}: {describe(value)} -> {describe(now)}", True))
             else:
                 found.append((f"{label}: now refers to another object", False))
-        for label, obj, name, value in self.fields:
-            now = getattr(obj, name, MISSING)
-            if not same(now, value, True):
-                found.append((f"{label}, field {name!r}: {describe(value)} -> {describe(now)}", True))
-        return found
+        return found + self.contents.changes()

@@ -14,7 +14,8 @@ holds:
 - optimizer param groups hold the same parameters and the same Python hyperparameters
   (a float lr, betas, eps, weight_decay, momentum, ...);
 - globals and closure cells read by the user functions the step ran hold the same objects, and
-  the same values where they are Python numbers, strings, tuples of those (see `reads.py`);
+  the same values where they are Python numbers, strings, tuples of those (see `reads.py`); the
+  containers and data objects the step reads hold the same contents (see `contents.py`);
 - no module had a parameter, buffer or submodule re-registered (`load_state_dict(assign=True)`,
   `model.fc = nn.Linear(...)`): a global registration hook bumps an epoch counter.
 
@@ -167,21 +168,26 @@ class StateGuard:
         self.strict = strict
         if reads is None or not reads.complete:
             reads = Reads.of_function(fn)
-        self.reads = ReadGuard(reads)
+        owners = {
+            id(m): name for prefix, root in state.named_modules_roots() for name, m in _named(prefix, root)
+        }
+        self.reads = ReadGuard(reads, owners)
         graph_state = dataclasses.replace(
             state, optimizers=[o for o in state.optimizers if not any(o is e for e in eager_optimizers)]
         )
         known = {id(m) for root in state.modules for m in root.modules()}
-        extra = [
-            (label, v) for label, v in self.reads.objects() if isinstance(v, nn.Module) and id(v) not in known
-        ]
+        extra = []
+        for label, v in self.reads.reached():
+            if isinstance(v, nn.Module) and id(v) not in known:
+                known.update(id(m) for m in v.modules())
+                extra.append((label, v))
         named = list(named_state_tensors(graph_state, fn))
         named += [
             (f"{label}.{n}", t)
             for label, m in extra
             for n, t in itertools.chain(m.named_parameters(), m.named_buffers())
         ]
-        named += [(label, v) for label, v in self.reads.objects() if isinstance(v, torch.Tensor)]
+        named += [(label, v) for label, v in self.reads.reached() if isinstance(v, torch.Tensor)]
         seen: set[int] = set()
         named = [
             (n, t) for n, t in named if isinstance(t, torch.Tensor) and not (id(t) in seen or seen.add(id(t)))

@@ -44,8 +44,8 @@ What does not work (each raises a `GraphStepError` saying so, unless noted): hoo
 effects inside the step (`on_before_backward`, `on_after_backward`, `on_before_optimizer_step`, an overridden
 `optimizer_step`) run only while the step's code runs, not on replays (not detected); strategies that
 wrap the module (DDP, FSDP) on CUDA, since Lightning builds DDP on the default stream (graphstep's
-`CaptureError` says so; the eager backend works); 16-bit precision with a non-fused optimizer (its
-GradScaler reads the inf check on the host: `HostSyncError`).
+`CaptureError` says so; the eager backend works). 16-bit precision with a non-fused optimizer works:
+its GradScaler's inf check and the update run as an eager segment (backends/library_segments.py).
 """
 
 from __future__ import annotations

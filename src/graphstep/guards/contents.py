@@ -1,0 +1,216 @@
+"""What the step reads *inside* containers: their contents, as a graph saw them, and the check that
+they still are.
+
+A binding guard (reads.py) sees that `CFG` still refers to the same dict; it cannot see
+`CFG["smoothing"] = 0.2`, `LOSS_WEIGHTS[0] = 0.25` or `cfg.loss.weight = 0.5`, and a replay would
+keep the old number. `Contents` takes, at capture, a value snapshot of everything reachable from a
+value the step read (a *root*: a global, a closure cell, a default argument, a module's attribute,
+a non-tensor argument) through lists, tuples, dicts, sets, deques, `SimpleNamespace`, dataclass
+instances and objects of the user's own classes, to any depth, and checks before each replay that
+it still holds: numbers, strings and other simple values by value (and type), tensors, modules,
+functions and other objects by identity. A root whose value changed picks a graph variant (or
+captures one); a value changed back picks the old graph again.
+
+Which attributes of an object of the user's own class are guarded: those whose names the user's
+code that ran loads (`obj.weight`), so that a counter the training loop keeps on the same object
+(`trainer.step += 1`) does not capture a graph per call. Dicts, lists and sets are guarded whole
+(a key read through a variable cannot be told from one that is not read): an unrelated entry that
+changes every call costs a capture every call, and the log says which.
+
+Entries the step itself writes during the capture (a dict key it sets, a list it appends to) are
+left out and reported as written (a replay does not write them; see `snapshot`).
+
+Cost per replay: nothing for dicts (object attributes included) from Python 3.12 while none of them
+changed, when the C++ helper is built (PEP 699 dict watchers, `fastcheck.py`); otherwise, and for
+lists, sets and deques, one identity pass over each container's items in C (`map(operator.is_)`).
+Only after a change is a root walked again and compared by value; an equal value is adopted.
+
+Not guarded, and named once in a log line at capture: a root of more than `MAX_ENTRIES` entries,
+and objects graphstep cannot see into (instances of library classes, NumPy arrays, bytearrays).
+Also not seen: class attributes read through an instance, an object's `__dict__` replaced
+wholesale, and `OrderedDict.move_to_end` (an order change without a dict event) from Python 3.12.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import types
+from typing import Any
+
+from . import fastcheck
+from .barriers import MISSING, cell_value
+from .walk import IDENTITY_OK, MAX_ENTRIES, TooLarge, Walk, at, diff, is_data, opaque, snapshot, walkable
+
+__all__ = ["IDENTITY_OK", "MAX_ENTRIES", "Contents", "is_data", "opaque", "snapshot", "walkable"]
+
+
+class _Root:
+    """One value the step read, and what its walk found."""
+
+    __slots__ = ("frozen", "label", "value", "walk")
+
+    def __init__(self, label: str, value: Any, walk: Walk, frozen: Any):
+        self.label, self.value, self.walk, self.frozen = label, value, walk, frozen
+
+
+class Contents:
+    """The contents of the containers a step read, as a graph saw them.
+
+    `names`: the attribute names the user's code loads (objects of user classes are guarded on those
+    only; None: all). `before`: `snapshot()`s taken before the step ran (written entries are left out).
+    """
+
+    def __init__(self, names: frozenset[str] | None = None, before: dict[int, Any] | None = None):
+        self.names = names
+        self.before = {k: v[0] for k, v in (before or {}).items()}
+        self.roots: list[_Root] = []
+        self.bound: list[tuple[_Root, dict, str]] = []  # roots read from a namespace: (root, ns, name)
+        self.cells: list[tuple[_Root, types.CellType]] = []
+        self.unguarded: list[str] = []
+        self.written: list[str] = []
+        self.found: list[tuple[str, Any]] = []
+        self._ids: set[int] = set()
+        helper = fastcheck.helper()
+        self._watch_type = (
+            getattr(helper, "DictWatch", None) if getattr(helper, "watches_dicts", False) else None
+        )
+        self._index()
+
+    # -- building ---------------------------------------------------------------------------------
+
+    def add(
+        self, label: str, value: Any, *, ns: dict | None = None, name: str = "", cell: Any = None
+    ) -> bool:
+        """Guard the contents of `value` (read through `ns[name]` or `cell`, if given: a rebinding
+        to an equal value is adopted). False: compare the binding by identity instead (`value` is no
+        container, or another root guards its contents already)."""
+        if not walkable(value, self.names) or id(value) in self._ids:
+            return False
+        walk = Walk(self.names, self.before, label)
+        try:
+            frozen = walk.freeze(value, "")
+        except TooLarge:
+            self.unguarded.append(f"{label} ({type(value).__qualname__}): more than {MAX_ENTRIES} entries")
+            return False
+        self.unguarded += [
+            f"{where} ({type(obj).__qualname__}): graphstep cannot see into it" for where, obj in walk.opaque
+        ]
+        self.written += walk.written
+        self.found += walk.found
+        root = _Root(label, value, walk, frozen)
+        self.roots.append(root)
+        self._ids.add(id(value))
+        if ns is not None:
+            self.bound.append((root, ns, name))
+        elif cell is not None:
+            self.cells.append((root, cell))
+        self._index_root(root)
+        return True
+
+    def _index(self) -> None:
+        """The flat lists `holds()` runs over, from every root's walk (again, after an adoption)."""
+        self.watch = None
+        self.dicts, self.seqs, self.subsets, self.watched_dicts, self.watched_subsets = [], [], [], [], []
+        for root in self.roots:
+            self._index_root(root)
+
+    def _index_root(self, root: _Root) -> None:
+        w = root.walk
+        if self.watch is None and self._watch_type is not None and w.watchable:
+            self.watch = self._watch_type()
+        watch = self.watch
+        watched = {id(d) for d in w.watchable if watch is not None and watch.watch(d)}
+        for d, keys, values in w.dicts:
+            (self.watched_dicts if id(d) in watched else self.dicts).append((root, d, keys, values))
+        for get, keys, values in w.subsets:
+            owner = getattr(get, "__self__", None)  # the dict of `dict.get`; None for a getattr
+            into = self.watched_subsets if id(owner) in watched else self.subsets
+            into.append((root, get, keys, values))
+        self.seqs += [(root, c, items) for c, items in w.seqs]
+
+    # -- the check on every replay ------------------------------------------------------------
+
+    def holds(self) -> bool:
+        for root, ns, name in self.bound:
+            now = ns.get(name, MISSING)
+            if now is not root.value and not self._adopt(root, now):
+                return False
+        for root, cell in self.cells:
+            now = cell_value(cell)
+            if now is not root.value and not self._adopt(root, now):
+                return False
+        changed = _changed(self.dicts, self.subsets, self.seqs)
+        if changed is not None:
+            return self._settle(changed)
+        watch = self.watch
+        if watch is not None and watch.changed():
+            changed = _changed(self.watched_dicts, self.watched_subsets, ())
+            if changed is not None:
+                return self._settle(changed)
+            watch.clear()
+        return True
+
+    def _settle(self, root: _Root) -> bool:
+        """A container of `root` changed: equal by value, the new objects are adopted; else False."""
+        if not self._adopt(root, root.value):
+            return False
+        return self.holds()  # the lists were renewed: check the rest again
+
+    def _adopt(self, root: _Root, now: Any) -> bool:
+        walk = Walk(self.names, {}, root.label, root.walk.skip)
+        try:
+            frozen = walk.freeze(now, "")
+        except TooLarge:
+            return False
+        if frozen != root.frozen:
+            return False
+        walk.written = root.walk.written
+        root.value, root.walk = now, walk
+        self._ids = {id(r.value) for r in self.roots}
+        self._index()
+        return True
+
+    # -- the slow path ----------------------------------------------------------------------------
+
+    def changes(self) -> list[tuple[str, bool]]:
+        """(text, is_value_change) per root that differs from what the graph saw."""
+        found = []
+        current = {id(root): root.value for root in self.roots}
+        current.update((id(root), ns.get(name, MISSING)) for root, ns, name in self.bound)
+        current.update((id(root), cell_value(cell)) for root, cell in self.cells)
+        for root in self.roots:
+            walk = Walk(self.names, {}, root.label, root.walk.skip)
+            try:
+                frozen = walk.freeze(current[id(root)], "")
+            except TooLarge:
+                found.append((f"{root.label}: now holds more than {MAX_ENTRIES} entries", False))
+                continue
+            if frozen != root.frozen:
+                diffs = [
+                    (f"{at(root.label, path)}: {text}", value)
+                    for path, text, value in diff(root.frozen, frozen, "")
+                ]
+                found += diffs[:5] or [(f"{root.label}: its contents changed", False)]
+        return found
+
+    def describe(self) -> list[str]:
+        return [
+            f"{r.label}: {type(r.value).__qualname__}, {r.walk.entries} entries by content"
+            for r in self.roots
+        ]
+
+
+def _changed(dicts: list, subsets: list, seqs: list) -> _Root | None:
+    """The root of the first container whose entries are not the objects seen last, if any."""
+    is_ = operator.is_
+    for root, d, keys, values in dicts:
+        if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
+            return root
+    for root, get, keys, values in subsets:
+        if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
+            return root
+    for root, c, items in seqs:
+        if len(c) != len(items) or not all(map(is_, c, items)):
+            return root
+    return None
