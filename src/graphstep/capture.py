@@ -196,7 +196,7 @@ class CapturedStep:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         signature, leaves = Signature.of(args, kwargs)
-        ctx = self._context_for(leaves)
+        ctx = self._ctx if self._ctx is not None else self._context_for(leaves)
         ctx.optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
         return self._lifecycle(signature).call(leaves, args, kwargs)
 

@@ -103,6 +103,8 @@ class Lifecycle:
         plan = self.plan()
         ranks = self.ctx.ranks
         if ranks is None:
+            if plan is _REPLAY:  # most calls: straight to the replay, none of act's branches
+                return self.replay(leaves, args, kwargs)
             if plan.phase is Phase.REPLAY:
                 return self.act(plan, _ALONE, leaves, args, kwargs)
             return self.act(
@@ -275,6 +277,8 @@ class Lifecycle:
         if ctx.config.outputs == "graph":
             return outputs
         variant = self.current
+        if variant.output_spec is sig.TENSOR_SPEC:  # a step that returns its loss: no tree to rebuild
+            return variant.output_tensors[0].clone()
         return sig.unflatten(variant.output_spec, [t.clone() for t in variant.output_tensors])
 
     # -- letting graphs go ---------------------------------------------------------------------

@@ -20,6 +20,8 @@ from torch import nn
 from .errors import UnsupportedInputError, UnsupportedOutputError
 
 _TENSOR = "<tensor>"  # a spec's placeholder for a tensor leaf
+TENSOR_SPEC = _TENSOR
+"""The spec of a tree that is one tensor (a step returning its loss): `spec is TENSOR_SPEC`."""
 _FLAT_SPECS: dict[int, Any] = {}  # the spec of `step(t1, ..., tn)`, by n
 
 

@@ -33,9 +33,14 @@ _IMMUTABLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torc
 
 
 class _Seen:
-    """The value objects of one param group, to tell by identity that none was assigned since."""
+    """The value objects of one param group, to tell by identity that none was assigned since.
 
-    __slots__ = ("group", "keys", "n", "values")
+    With the C++ helper the identities are compared there (`StateCheck` over the group as the one
+    entry of a dict): from Python 3.12 it watches the group and walks it only after a write, so a
+    replay after no assignment costs nothing.
+    """
+
+    __slots__ = ("fast", "group", "keys", "n", "values")
 
     def __init__(self, group: dict):
         self.group = group
@@ -52,8 +57,13 @@ class _Seen:
         )
         self.keys = tuple(group) if immutable else None
         self.values = tuple(group.values()) if immutable else None
+        check = getattr(fastcheck.helper(), "StateCheck", None) if immutable else None
+        # The outer dict is ours and never written: only the group's own writes count.
+        self.fast = check([{0: group}]) if check is not None and type(group) is dict else None
 
     def holds(self) -> bool:
+        if self.fast is not None:
+            return self.fast.holds()
         group = self.group
         return (
             self.keys is not None
