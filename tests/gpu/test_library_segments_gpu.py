@@ -1,7 +1,8 @@
-"""Library calls that read the host, on a GPU (issue 22): fp16 + GradScaler + the default (foreach)
-AdamW on a transformers model runs GradScaler's inf check and the optimizer step as an eager segment,
-bitwise equal to eager, overflowing steps skipped; clip_grad_norm_(error_if_nonfinite=True) raises
-at the replay where eager raises; examples/rl_ppo.py runs with its defaults."""
+"""Library calls that read the host, on a GPU (issue 22): fp16 + GradScaler + AdamW with `foreach=True`
+on a transformers model runs GradScaler's inf check and the optimizer step as an eager segment, bitwise
+equal to eager, overflowing steps skipped (the default AdamW, fused by graphstep on CUDA, stays in one
+graph); clip_grad_norm_(error_if_nonfinite=True) raises at the replay where eager raises; examples/rl_ppo.py
+runs with its defaults."""
 
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ def scaled_hf_step(model, opt, scaler):
     return step
 
 
-def test_fp16_grad_scaler_with_the_default_adamw_on_gpt2_is_bitwise_eager(caplog):
+@pytest.mark.parametrize("choice", ["foreach", "default"])
+def test_fp16_grad_scaler_with_adamw_on_gpt2_is_bitwise_eager(caplog, choice):
+    """`foreach=True` (the user's explicit choice, kept): GradScaler.step becomes an eager segment.
+    The default AdamW: graphstep (and make_capturable for the twin) picks the fused implementation on
+    CUDA, which skips an inf step on the device: one graph, no segment."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
     torch.manual_seed(0)
@@ -55,7 +60,8 @@ def test_fp16_grad_scaler_with_the_default_adamw_on_gpt2_is_bitwise_eager(caplog
     twin = copy.deepcopy(model)
     runs = []
     for m in (model, twin):
-        opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.01)  # foreach: not fused
+        options = {"foreach": True} if choice == "foreach" else {}
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.01, **options)
         make_capturable(opt, "cuda")  # the settings graphstep gives the captured one
         runs.append((m, opt, torch.amp.GradScaler("cuda", init_scale=2.0**16, growth_interval=4)))
     (m_e, o_e, s_e), (m_g, o_g, s_g) = runs
@@ -81,8 +87,11 @@ def test_fp16_grad_scaler_with_the_default_adamw_on_gpt2_is_bitwise_eager(caplog
     assert torch.equal(s_e._growth_tracker, s_g._growth_tracker)
     assert step.backend_name == "cuda" and step.stats.captures == 1, step.stats
     lines = [r.message for r in caplog.records if "eager segment" in r.message]
-    assert len(lines) == 1 and "GradScaler.step(AdamW)" in lines[0], lines
-    print(lines[0])
+    if choice == "foreach":
+        assert len(lines) == 1 and "GradScaler.step(AdamW)" in lines[0], lines
+        print(lines[0])
+    else:
+        assert not lines and o_g.param_groups[0]["fused"], lines
     step.close()
 
 
