@@ -18,7 +18,6 @@ TORCH_SITE := import os, torch; print(os.path.dirname(os.path.dirname(torch.__fi
 VENV_SITE := import sysconfig; print(sysconfig.get_path('purelib'))
 TORCH_SAYS := import torch; print(f'make: torch {torch.__version__} ({\"CUDA \" + torch.version.cuda if torch.version.cuda else \"CPU build\"}) from {torch.__path__[0]}')
 
-PYTHON_PATH_TESTS := tests/test_guards.py tests/test_guards_reads.py tests/test_guards_contents.py tests/test_variants.py
 # Test processes in parallel (pytest-xdist): "auto" is one per CPU core.
 TEST_WORKERS ?= auto
 
@@ -44,9 +43,8 @@ setup: $(BIN)/python
 
 test: setup
 	$(BIN)/python -m ruff check src tests examples
+	@# The guards' tests run on both paths, the C++ helper's and the pure-Python fallback (tests/conftest.py).
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
-	@# The guards once more on their pure-Python path (the fallback where the helper is not built).
-	GRAPHSTEP_FASTCHECK=0 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTHON_PATH_TESTS)
 
 demo: setup
 	$(BIN)/graphstep demo

@@ -184,7 +184,7 @@ def test_sgd_adam_adamw_run_fused_on_cuda_unless_the_user_chose(make, fused, mon
     assert opt.param_groups[0].get("fused") == opt.defaults.get("fused"), "plan() must change nothing"
 
 
-def test_make_capturable_on_cuda_sets_fused_and_amp_scaling(monkeypatch):
+def test_make_capturable_on_cuda_sets_fused_but_leaves_unscaling_to_the_user(monkeypatch):
     from graphstep.optim import table
 
     monkeypatch.setattr(table, "fused_kernel_takes", lambda params, device: True)
@@ -193,7 +193,9 @@ def test_make_capturable_on_cuda_sets_fused_and_amp_scaling(monkeypatch):
     OptimizerAdapter([opt]).prepare(torch.device("cuda", 0))  # no CUDA call: the index is given
     group = opt.param_groups[0]
     assert (group["fused"], group["capturable"], group["foreach"]) == (True, True, None)
-    assert opt._step_supports_amp_scaling, "GradScaler must hand a fused optimizer its scale, as torch does"
+    # Lightning refuses to clip an optimizer that unscales itself, and GradScaler would skip the
+    # user's own unscale_: the optimizer graphstep made fused keeps the user's unscaling.
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
     assert opt.defaults["fused"] is True, "groups added later run fused too"
 
 

@@ -48,11 +48,11 @@ def scaled_hf_step(model, opt, scaler):
     return step
 
 
-@pytest.mark.parametrize("choice", ["foreach", "default"])
+@pytest.mark.parametrize("choice", ["foreach", "default", "fused"])
 def test_fp16_grad_scaler_with_adamw_on_gpt2_is_bitwise_eager(caplog, choice):
-    """`foreach=True` (the user's explicit choice, kept): GradScaler.step becomes an eager segment.
-    The default AdamW: graphstep (and make_capturable for the twin) picks the fused implementation on
-    CUDA, which skips an inf step on the device: one graph, no segment."""
+    """`foreach=True`, and the default AdamW (which graphstep, and make_capturable for the twin, run
+    fused on CUDA without telling GradScaler so): GradScaler.step's inf check and the update are an
+    eager segment. The user's own `fused=True` unscales and skips on the device: one graph."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def test_fp16_grad_scaler_with_adamw_on_gpt2_is_bitwise_eager(caplog, choice):
     twin = copy.deepcopy(model)
     runs = []
     for m in (model, twin):
-        options = {"foreach": True} if choice == "foreach" else {}
+        options = {"foreach": {"foreach": True}, "default": {}, "fused": {"fused": True}}[choice]
         opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.01, **options)
         make_capturable(opt, "cuda")  # the settings graphstep gives the captured one
         runs.append((m, opt, torch.amp.GradScaler("cuda", init_scale=2.0**16, growth_interval=4)))
@@ -87,11 +87,12 @@ def test_fp16_grad_scaler_with_adamw_on_gpt2_is_bitwise_eager(caplog, choice):
     assert torch.equal(s_e._growth_tracker, s_g._growth_tracker)
     assert step.backend_name == "cuda" and step.stats.captures == 1, step.stats
     lines = [r.message for r in caplog.records if "eager segment" in r.message]
-    if choice == "foreach":
-        assert len(lines) == 1 and "GradScaler.step(AdamW)" in lines[0], lines
-        print(lines[0])
+    if choice == "fused":
+        assert not lines, lines
     else:
-        assert not lines and o_g.param_groups[0]["fused"], lines
+        assert len(lines) == 1 and "GradScaler.step(AdamW)" in lines[0], lines
+        assert o_g.param_groups[0].get("fused") == (choice == "default"), o_g.param_groups[0]
+        print(lines[0])
     step.close()
 
 

@@ -34,7 +34,9 @@ def _library_dirs() -> tuple[str, ...]:
 def is_user_file(filename: str) -> bool:
     """User code: not torch, an installed package, the standard library or graphstep (its demo
     is user code, like a training script)."""
-    if filename.startswith("<frozen"):
+    if filename.startswith(("<frozen", "<string>", "<attrs generated")):
+        # Code generated with exec (a dataclass's __init__, attrs' methods) reads only its own
+        # sentinels; the user's reads are in the code that calls it. Interactive code (<stdin>) is the user's.
         return False
     path = os.path.abspath(filename)
     if path.startswith(_DEMO_DIR + os.sep):

@@ -113,12 +113,18 @@ class OptimizerAdapter:
                     group["fused"] = True
             if any(p.capturable for p in group_plans):
                 optimizer.defaults["capturable"] = True  # for groups added later
-            if any(p.fuse for p in group_plans):
-                # As torch's constructor does for fused=True: GradScaler then hands the optimizer its
-                # scale and inf flag instead of unscaling and reading found_inf with .item().
-                optimizer._step_supports_amp_scaling = True
-                if optimizer.defaults.get("foreach") is None and optimizer.defaults.get("fused") is None:
-                    optimizer.defaults["fused"] = True  # for groups added later
+            # Unlike torch's constructor for a user's fused=True, `_step_supports_amp_scaling` is not set
+            # when graphstep chose fused: the optimizer still looks to GradScaler and Lightning like the one
+            # the user built, which leaves unscaling to them (Lightning's mixed-precision plugin refuses to
+            # clip an optimizer that unscales itself; seen on the H100 with bf16-mixed and clipping).
+            # GradScaler then reads found_inf on the host: an eager segment (backends/library_segments.py).
+            chose_fused = any(p.fuse for p in group_plans)
+            if (
+                chose_fused
+                and optimizer.defaults.get("foreach") is None
+                and optimizer.defaults.get("fused") is None
+            ):
+                optimizer.defaults["fused"] = True  # for groups added later
             move_host_state(optimizer)
             install_load_hooks(optimizer, Live.absorb_loaded)
             if first:
