@@ -231,9 +231,10 @@ class Census:
     work, and keeping dropped tensors alive would hold their memory). Holding them keeps any new
     object from taking an old one's address while the step runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, take: bool = True) -> None:
+        """`take=False`: no census (every object counts as existing; for a watch that refuses nothing)."""
         plain = _TENSOR_TYPES
-        self.objects: list | None = [o for o in gc.get_objects() if type(o) not in plain]
+        self.objects: list | None = [o for o in gc.get_objects() if type(o) not in plain] if take else None
         self._ids: set[int] | None = None
         self._held: dict[int, tuple[Any, bool]] = {}
 
