@@ -33,12 +33,9 @@ N_STEPS = 20
 
 
 def captured(fn, model, opt, config=RECORDING):
-    """`graphstep.capture` with the optimizer adapter run by hand around each call.
-
-    TODO(wiring): once CapturedStep prepares its optimizers and calls `before_call` itself, this
-    is plain `graphstep.capture(fn, model=model, optimizer=opt, config=config)`. Running both is
-    harmless: `prepare` and `before_call` are idempotent.
-    """
+    """`graphstep.capture` with the optimizer prepared before the first call, as `make_capturable`
+    prepares an eager twin, and `before_call` run by hand around each call. CapturedStep does both
+    itself too; running them twice is harmless (both are idempotent)."""
     adapter = OptimizerAdapter([opt])
     adapter.prepare("cpu")
     step = graphstep.capture(fn, model=model, optimizer=opt, config=config)
