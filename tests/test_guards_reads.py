@@ -545,3 +545,35 @@ def test_a_helper_built_for_another_torch_is_refused(caplog):
     assert "built for torch 1.0.0" in caplog.text
     current = types.SimpleNamespace(torch_version=torch.__version__)
     assert fastcheck._if_same_torch(current) is current
+
+
+def test_bindings_hold_by_identity_then_by_value_and_an_equal_value_is_adopted():
+    """`ReadGuard.holds()` passes over the bindings by identity first; a simple value rebound to an
+    equal object holds (and is adopted, so the next call takes the identity pass again); another
+    value, or an emptied closure cell, does not."""
+    from graphstep.guards.reads import ReadGuard
+
+    namespace = {"SCALE": 0.5, "NAME": "x"}
+    holder = 3.0
+
+    def read() -> float:
+        return holder
+
+    reads = Reads()
+    reads.globals.append(("global 'SCALE'", namespace, "SCALE"))
+    reads.globals.append(("global 'NAME'", namespace, "NAME"))
+    reads.cells.append(("closure variable 'holder'", read.__closure__[0]))
+    guard = ReadGuard(reads)
+    assert guard.holds()
+    namespace["SCALE"] = float("0.5")  # another float object, the same value
+    assert namespace["SCALE"] is not guard._values[0]
+    assert guard.holds()
+    assert guard._values[0] is namespace["SCALE"]  # adopted: the identity pass holds from now on
+    holder = float("3.0")  # noqa: F841  (rebinds the cell to an equal value)
+    assert guard.holds() and guard._values[-1] is holder
+    namespace["NAME"] = "y"
+    assert not guard.holds() and guard.changes()
+    namespace["NAME"] = "x"
+    assert guard.holds()
+    del holder  # noqa: F821  (empties the cell)
+    assert not guard.holds()

@@ -58,6 +58,7 @@ class _FakeNvtx:
 def test_nvtx_ranges_are_pushed_and_popped_with_cuda_even_on_error(monkeypatch):
     fake = _FakeNvtx()
     monkeypatch.setattr(profiling, "_nvtx_available", True)
+    monkeypatch.setattr(profiling, "_nvtx_on_replays", True)
     monkeypatch.setattr(torch.cuda, "nvtx", fake)
     with (
         pytest.raises(ValueError),
@@ -97,3 +98,32 @@ def test_a_profiled_step_shows_warmup_capture_and_replay_ranges():
     assert names.count(profiling.CAPTURE) == 1, names
     assert names.count(profiling.REPLAY) >= 2, names
     assert profiling.EAGER_SEGMENT not in names  # no segments in this step
+
+
+@pytest.mark.parametrize(
+    ("environment", "replays_ranged"),
+    [
+        ({}, False),  # no tool attached: a push and pop per replay would cost several µs for nobody
+        ({"NVTX_INJECTION64_PATH": "/opt/nsight/libToolsInjection64.so"}, True),  # as Nsight sets it
+        ({"GRAPHSTEP_NVTX": "1"}, True),
+        ({"GRAPHSTEP_NVTX": "0", "NVTX_INJECTION64_PATH": "/opt/nsight/libToolsInjection64.so"}, False),
+    ],
+)
+def test_replays_push_nvtx_ranges_only_for_a_tool(monkeypatch, environment, replays_ranged):
+    fake = _FakeNvtx()
+    for key in ("GRAPHSTEP_NVTX", "NVTX_INJECTION64_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(profiling, "_nvtx_available", None)
+    monkeypatch.setattr(profiling, "_nvtx_on_replays", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "nvtx", fake)
+    with profiling.ranged(profiling.REPLAY):
+        pass
+    with profiling.ranged(profiling.CAPTURE):
+        pass
+    pushed = [call[1] for call in fake.calls if call[0] == "push"]
+    rare = [] if environment.get("GRAPHSTEP_NVTX") == "0" else [profiling.CAPTURE]
+    assert pushed == ([profiling.REPLAY] if replays_ranged else []) + rare
+    assert profiling.listening_to_replays() is replays_ranged

@@ -19,9 +19,13 @@ up, which captured and which replayed:
 Cost: `record_function` costs about 6 µs per range on a CPU even when no profiler runs (torch 2.13,
 measured on the CI machine), so it is entered only while a profiler is active
 (`torch._C._autograd._profiler_enabled()`, 0.04 µs). With neither a profiler nor CUDA a range
-costs about 0.4 µs; with CUDA, the NVTX push and pop add about as much again (NVTX calls are
-no-ops while no Nsight tool is attached, and there is no reliable way to tell from Python that
-one is). `GRAPHSTEP_NVTX=0` leaves NVTX out.
+costs about 0.4 µs. An NVTX push and pop cost several µs per replay on the H100 host that measured
+them, with no Nsight tool attached (benchmarks/results/h100_2026-11-25_host-cost.json), which is a
+large share of a replay's own host time. So NVTX ranges are pushed, with CUDA, around the phases
+that run rarely (warm-up, capture, eager segments) always, and around replays only when a tool is
+attached: `NVTX_INJECTION64_PATH` is set, as Nsight Systems and Nsight Compute set it in the
+process they profile. `GRAPHSTEP_NVTX=1` pushes replay ranges too (a tool that attaches another
+way), `GRAPHSTEP_NVTX=0` leaves NVTX out altogether.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from types import TracebackType
 
 import torch
 
-__all__ = ["CAPTURE", "EAGER_SEGMENT", "REPLAY", "WARMUP", "ranged"]
+__all__ = ["CAPTURE", "EAGER_SEGMENT", "REPLAY", "WARMUP", "listening_to_replays", "ranged"]
 
 WARMUP = "graphstep.warmup"
 CAPTURE = "graphstep.capture"
@@ -47,14 +51,30 @@ except AttributeError:  # pragma: no cover - a torch without it: ask the Python 
 
 
 _nvtx_available: bool | None = None  # decided on the first range: asking CUDA at import is a side effect
+_nvtx_on_replays: bool | None = None
 
 
 def _use_nvtx() -> bool:
     global _nvtx_available
     if _nvtx_available is None:
-        wanted = os.environ.get("GRAPHSTEP_NVTX", "1") != "0"
+        wanted = os.environ.get("GRAPHSTEP_NVTX", "") != "0"
         _nvtx_available = wanted and torch.cuda.is_available()
     return _nvtx_available
+
+
+def listening_to_replays() -> bool:
+    """Whether a replay's range would reach anyone: a profiler runs, or NVTX goes to a tool. The
+    replay skips the range object altogether when not (the hot path)."""
+    return _profiler_enabled() or _use_nvtx_on_replays()
+
+
+def _use_nvtx_on_replays() -> bool:
+    """NVTX around every replay: only while a tool reads it (see the module's docstring)."""
+    global _nvtx_on_replays
+    if _nvtx_on_replays is None:
+        setting = os.environ.get("GRAPHSTEP_NVTX", "")
+        _nvtx_on_replays = setting == "1" or (setting != "0" and bool(os.environ.get("NVTX_INJECTION64_PATH")))
+    return _nvtx_on_replays and _use_nvtx()
 
 
 class ranged:
@@ -72,7 +92,7 @@ class ranged:
         self._nvtx = False
 
     def __enter__(self) -> ranged:
-        if _use_nvtx():
+        if _use_nvtx_on_replays() if self.name == REPLAY else _use_nvtx():
             torch.cuda.nvtx.range_push(self.name)
             self._nvtx = True
         if _profiler_enabled():

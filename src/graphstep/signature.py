@@ -23,6 +23,7 @@ _TENSOR = "<tensor>"  # a spec's placeholder for a tensor leaf
 TENSOR_SPEC = _TENSOR
 """The spec of a tree that is one tensor (a step returning its loss): `spec is TENSOR_SPEC`."""
 _FLAT_SPECS: dict[int, Any] = {}  # the spec of `step(t1, ..., tn)`, by n
+_PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, nn.Parameter))
 
 
 class TensorMeta(NamedTuple):
@@ -162,7 +163,7 @@ class Signature:
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> tuple[Signature, list[torch.Tensor]]:
-        if not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args):
+        if not kwargs and all(map(_PLAIN_TENSOR_TYPES.__contains__, map(type, args))):
             leaves = list(args)  # the common call, step(x, y): no tree to walk
             spec = _FLAT_SPECS.get(len(leaves)) or _FLAT_SPECS.setdefault(len(leaves), flatten((args, {}))[1])
         else:

@@ -8,7 +8,6 @@ copy from; a replay must then wait for the previous one before overwriting them.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -55,18 +54,24 @@ class InputBuffers:
         """Copy the call's tensors into the buffers (none when they are the buffers)."""
         if self.host_staged:  # the previous replay may still be reading a host buffer
             torch.cuda.current_stream(self.backend.index).synchronize()
-        with torch.no_grad() if self.need_grad else contextlib.nullcontext():
-            for i, (buffer, t) in enumerate(zip(self.tensors, leaves)):
-                if t is not buffer:
-                    try:
-                        buffer.copy_(t)
-                    except RuntimeError as exc:
-                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                        raise UnsupportedInputError(
-                            f"argument {self._name(i)} ({sig.TensorMeta.of(t)}) cannot be copied into the "
-                            f"graph's input buffer: {first}. Pass a tensor that owns its memory "
-                            "(`.contiguous()`, not an `expand`ed view), on the step's device."
-                        ) from exc
+        if self.need_grad:
+            with torch.no_grad():
+                self._copy(leaves)
+        else:  # the common call: no context to enter
+            self._copy(leaves)
+
+    def _copy(self, leaves: list[torch.Tensor]) -> None:
+        for i, (buffer, t) in enumerate(zip(self.tensors, leaves)):
+            if t is not buffer:
+                try:
+                    buffer.copy_(t)
+                except RuntimeError as exc:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise UnsupportedInputError(
+                        f"argument {self._name(i)} ({sig.TensorMeta.of(t)}) cannot be copied into the "
+                        f"graph's input buffer: {first}. Pass a tensor that owns its memory "
+                        "(`.contiguous()`, not an `expand`ed view), on the step's device."
+                    ) from exc
 
     def _name(self, i: int) -> str:
         paths = sig.tensor_paths(self.spec) if self.spec is not None else []

@@ -32,7 +32,9 @@ import dis
 import functools
 import gc
 import inspect
+import itertools
 import logging
+import operator
 import os
 import sys
 import types
@@ -44,6 +46,8 @@ from torch import nn
 from . import barriers, contents
 from .barriers import MISSING, cell_value, describe, is_simple, same
 from .user_code import is_user_file
+
+_cell_contents = operator.attrgetter("cell_contents")
 
 log = logging.getLogger("graphstep")
 
@@ -418,6 +422,7 @@ class ReadGuard:
         for label, value in reads.defaults + reads.arguments:
             self.contents.add(label, value)
         self.contents.before = {}  # its ids are valid only while `reads` keeps the objects alive
+        self._index_bindings()
         self.modules = reads.modules
         self.unguarded = [
             f"{label} ({type(value).__qualname__}): graphstep cannot see into it"
@@ -460,7 +465,29 @@ class ReadGuard:
                 "\n".join(f"  - {u}" for u in new),
             )
 
+    def _index_bindings(self) -> None:
+        """The bindings as parallel lists, for `holds()`'s identity pass in C loops (None: a globals
+        namespace that is not a plain dict, which only the per-binding loop reads right)."""
+        plain = all(type(ns) is dict for _, ns, _, _, _ in self.globals)
+        self._namespaces = [ns for _, ns, _, _, _ in self.globals] if plain else None
+        self._names = [name for _, _, name, _, _ in self.globals]
+        self._cells = [cell for _, cell, _, _ in self.cells]
+        self._values = [value for _, _, _, value, _ in self.globals] + [value for _, _, value, _ in self.cells]
+
     def holds(self) -> bool:
+        if self._namespaces is not None:
+            try:
+                now = list(map(dict.get, self._namespaces, self._names, itertools.repeat(MISSING)))
+                now += map(_cell_contents, self._cells)
+            except ValueError:  # an emptied closure cell
+                return False
+            if all(map(operator.is_, now, self._values)):  # the common replay: every binding is the object seen
+                return not self.contents.roots or self.contents.holds()
+        return self._holds_by_value()
+
+    def _holds_by_value(self) -> bool:
+        """The per-binding loop: a simple value rebound to an equal one (`LR = 1e-3` again) holds,
+        and the equal objects are adopted, so the next identity pass holds again."""
         for _, ns, name, value, by_value in self.globals:
             now = ns.get(name, MISSING)
             if now is not value and not (by_value and type(now) is type(value) and now == value):
@@ -472,6 +499,9 @@ class ReadGuard:
                 return False
             if now is not value and not (by_value and type(now) is type(value) and now == value):
                 return False
+        self.globals = [(label, ns, name, ns.get(name, MISSING), v) for label, ns, name, _, v in self.globals]
+        self.cells = [(label, cell, cell.cell_contents, v) for label, cell, _, v in self.cells]
+        self._index_bindings()
         return not self.contents.roots or self.contents.holds()
 
     def changes(self) -> list[tuple[str, bool]]:
