@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from cpu_common import make_twins
-from graphstep.guards import fastcheck, reads
+from graphstep.guards import fastcheck, read_guard
 
 # The guards' tests run twice: with the C++ helper (where it is built) and on the pure-Python path
 # (the fallback where it is not). Both in the one test session, so that the parallel workers share
@@ -26,7 +26,7 @@ def guard_path(request, monkeypatch):
         yield None
         return
     fastcheck.helper.cache_clear()
-    reads._named.clear()  # what is named "once per process" is named once per variant here
+    read_guard._named.clear()  # what is named "once per process" is named once per variant here
     if request.param == "python":
         monkeypatch.setenv("GRAPHSTEP_FASTCHECK", "0")
         assert fastcheck.helper() is None

@@ -551,7 +551,7 @@ def test_bindings_hold_by_identity_then_by_value_and_an_equal_value_is_adopted()
     """`ReadGuard.holds()` passes over the bindings by identity first; a simple value rebound to an
     equal object holds (and is adopted, so the next call takes the identity pass again); another
     value, or an emptied closure cell, does not."""
-    from graphstep.guards.reads import ReadGuard
+    from graphstep.guards.read_guard import ReadGuard
 
     namespace = {"SCALE": 0.5, "NAME": "x"}
     holder = 3.0

@@ -22,7 +22,8 @@ from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
 from .effects import draw_advice, host_random
 from .guards.barriers import is_simple
-from .guards.reads import ReadGuard, Reads, ReadWatch
+from .guards.read_guard import ReadGuard
+from .guards.reads import Reads, ReadWatch
 from .guards.state_guard import bindings, named_state_tensors
 from .state import Snapshot
 

@@ -1,7 +1,8 @@
 """Guards: a replay never silently differs from eager.
 
 - `state_guard.py`: `StateGuard`, one graph's guard over everything it baked (tensors, modes, reads).
-- `reads.py`: the Python state the step reads (globals, closure cells, attributes), and its checks.
+- `reads.py`: the Python state the step reads (globals, closure cells, attributes), found while it runs;
+  `read_guard.py`: the check on every replay that those values are still what the graph saw.
 - `barriers.py`: write barriers, a cheap notice of writes to modules' Python state instead of a scan.
 - `optimizer.py`: the optimizer part of a guard (param groups, baked numbers, per-parameter state).
 - `fastcheck.py` (+ `_fastcheck.cpp`): the optional C++ helper for the O(tensors) checks.

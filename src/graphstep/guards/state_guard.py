@@ -43,7 +43,8 @@ from ..state import TrainingState, follow, storage_paths
 from . import barriers, fastcheck
 from .change import Change
 from .optimizer import OptimizerWatch
-from .reads import ReadGuard, Reads
+from .read_guard import ReadGuard
+from .reads import Reads
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")

@@ -1,0 +1,153 @@
+"""`ReadGuard`: the values the step's Python read (see reads.py), as a graph saw them, and the check
+on every replay that they still are: bindings by identity (then by value for simple values), the
+containers they hold by content (contents.py)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from typing import Any
+
+from . import contents
+from .barriers import MISSING, cell_value, describe, is_simple, same
+from .reads import Reads
+
+log = logging.getLogger("graphstep")
+
+_cell_contents = operator.attrgetter("cell_contents")
+
+_named: set[str] = set()
+"""What `log_unguarded` has named in this process (each is named once)."""
+
+
+class ReadGuard:
+    """The values behind a `Reads`, as they are now, and the check that they still are.
+
+    Bindings (a global, a closure cell) are compared by value where they hold a simple value, else
+    by identity; containers and data objects they hold, by content (see contents.py), and so are
+    containers in default arguments, in the step's arguments and in attributes user code loads.
+    `owners`: names for modules by id (`model.encoder`), to label their attributes.
+    """
+
+    def __init__(self, reads: Reads, owners: dict[int, str] | None = None):
+        self.contents = contents.Contents(reads.attribute_names, reads.before)
+        self.globals = []
+        for label, ns, name in reads.globals:
+            value = ns.get(name, MISSING)
+            if not self.contents.add(label, value, ns=ns, name=name):
+                self.globals.append((label, ns, name, value, is_simple(value)))
+        self.cells = []
+        for label, cell in reads.cells:
+            value = cell_value(cell)
+            if not self.contents.add(label, value, cell=cell):
+                self.cells.append((label, cell, value, is_simple(value)))
+        owners = owners or {}
+        for owner, name in reads.attributes:
+            where = owners.get(id(owner)) or f"a {type(owner).__qualname__}"
+            self.contents.add(f"{where}.{name}", vars(owner).get(name, MISSING), ns=vars(owner), name=name)
+        for label, value in reads.defaults + reads.arguments:
+            self.contents.add(label, value)
+        self.contents.before = {}  # its ids are valid only while `reads` keeps the objects alive
+        self._index_bindings()
+        self.modules = reads.modules
+        self.unguarded = [
+            f"{label} ({type(value).__qualname__}): graphstep cannot see into it"
+            for label, value in self.objects()
+            if contents.opaque(value)
+        ]
+
+    def objects(self) -> list[tuple[str, Any]]:
+        """The values read through bindings (globals, closure cells), content-guarded ones too."""
+        return (
+            [(label, value) for label, _, _, value, _ in self.globals]
+            + [(label, value) for label, _, value, _ in self.cells]
+            + [(root.label, root.value) for root in self.contents.roots]
+        )
+
+    def reached(self) -> list[tuple[str, Any]]:
+        """`objects()`, and the modules and tensors found inside the containers read."""
+        return self.objects() + self.contents.found + [(type(m).__qualname__, m) for m in self.modules]
+
+    @property
+    def written(self) -> list[str]:
+        """Entries of containers the step itself wrote during the watched run (left out)."""
+        return self.contents.written
+
+    def watch_fields(self, label: str, value: Any) -> None:
+        """Guard a data object held by a module (a config dataclass kept as `self.config`) by content:
+        nothing else sees a write to its fields."""
+        if contents.is_data(value):
+            self.contents.add(label, value)
+
+    def log_unguarded(self, step: str) -> None:
+        """Name, once per process, what the step reads that no guard can watch."""
+        new = [u for u in self.unguarded + self.contents.unguarded if u not in _named]
+        if new:
+            _named.update(new)
+            log.warning(
+                "graphstep: %s reads values whose contents no guard watches; a change to them between "
+                "calls is not seen by the graph:\n%s",
+                step,
+                "\n".join(f"  - {u}" for u in new),
+            )
+
+    def _index_bindings(self) -> None:
+        """The bindings as parallel lists, for `holds()`'s identity pass in C loops (None: a globals
+        namespace that is not a plain dict, which only the per-binding loop reads right)."""
+        plain = all(type(ns) is dict for _, ns, _, _, _ in self.globals)
+        self._namespaces = [ns for _, ns, _, _, _ in self.globals] if plain else None
+        self._names = [name for _, _, name, _, _ in self.globals]
+        self._cells = [cell for _, cell, _, _ in self.cells]
+        self._values = [value for _, _, _, value, _ in self.globals] + [
+            value for _, _, value, _ in self.cells
+        ]
+
+    def holds(self) -> bool:
+        if self._namespaces is not None:
+            try:
+                now = list(map(dict.get, self._namespaces, self._names, itertools.repeat(MISSING)))
+                now += map(_cell_contents, self._cells)
+            except ValueError:  # an emptied closure cell
+                return False
+            if all(
+                map(operator.is_, now, self._values)
+            ):  # the common replay: every binding is the object seen
+                return not self.contents.roots or self.contents.holds()
+        return self._holds_by_value()
+
+    def _holds_by_value(self) -> bool:
+        """The per-binding loop: a simple value rebound to an equal one (`LR = 1e-3` again) holds,
+        and the equal objects are adopted, so the next identity pass holds again."""
+        for _, ns, name, value, by_value in self.globals:
+            now = ns.get(name, MISSING)
+            if now is not value and not (by_value and type(now) is type(value) and now == value):
+                return False
+        for _, cell, value, by_value in self.cells:
+            try:
+                now = cell.cell_contents
+            except ValueError:
+                return False
+            if now is not value and not (by_value and type(now) is type(value) and now == value):
+                return False
+        self.globals = [(label, ns, name, ns.get(name, MISSING), v) for label, ns, name, _, v in self.globals]
+        self.cells = [(label, cell, cell.cell_contents, v) for label, cell, _, v in self.cells]
+        self._index_bindings()
+        return not self.contents.roots or self.contents.holds()
+
+    def changes(self) -> list[tuple[str, bool]]:
+        """(text, is_value_change) per difference."""
+        found = []
+        current = [
+            (label, ns.get(name, MISSING), value, by_value)
+            for label, ns, name, value, by_value in self.globals
+        ]
+        current += [(label, cell_value(cell), value, by_value) for label, cell, value, by_value in self.cells]
+        for label, now, value, by_value in current:
+            if same(now, value, by_value):
+                continue
+            if by_value and (now is MISSING or is_simple(now)):
+                found.append((f"{label}: {describe(value)} -> {describe(now)}", True))
+            else:
+                found.append((f"{label}: now refers to another object", False))
+        return found + self.contents.changes()
