@@ -553,27 +553,29 @@ def test_bindings_hold_by_identity_then_by_value_and_an_equal_value_is_adopted()
     value, or an emptied closure cell, does not."""
     from graphstep.guards.read_guard import ReadGuard
 
+    def reader(value: float):
+        def read() -> float:
+            return value
+
+        return read
+
+    cell = reader(3.0).__closure__[0]
     namespace = {"SCALE": 0.5, "NAME": "x"}
-    holder = 3.0
-
-    def read() -> float:
-        return holder
-
     reads = Reads()
     reads.globals.append(("global 'SCALE'", namespace, "SCALE"))
     reads.globals.append(("global 'NAME'", namespace, "NAME"))
-    reads.cells.append(("closure variable 'holder'", read.__closure__[0]))
+    reads.cells.append(("closure variable 'value'", cell))
     guard = ReadGuard(reads)
     assert guard.holds()
     namespace["SCALE"] = float("0.5")  # another float object, the same value
     assert namespace["SCALE"] is not guard._values[0]
     assert guard.holds()
     assert guard._values[0] is namespace["SCALE"]  # adopted: the identity pass holds from now on
-    holder = float("3.0")  # noqa: F841  (rebinds the cell to an equal value)
-    assert guard.holds() and guard._values[-1] is holder
+    cell.cell_contents = float("3.0")  # the closure variable rebound to an equal value
+    assert guard.holds() and guard._values[-1] is cell.cell_contents
     namespace["NAME"] = "y"
     assert not guard.holds() and guard.changes()
     namespace["NAME"] = "x"
     assert guard.holds()
-    del holder  # noqa: F821  (empties the cell)
+    del cell.cell_contents  # an emptied cell
     assert not guard.holds()

@@ -195,7 +195,9 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
             for name, v, limit in checks
         ]
         if cs:
-            parts.append(f"graphstep (model not compiled) / whole step compiled {_fmt(_div(g.get('pipelined_ms'), best_cs))}")
+            parts.append(
+                f"graphstep (model not compiled) / whole step compiled {_fmt(_div(g.get('pipelined_ms'), best_cs))}"
+            )
         parts.append(f"graphstep host µs per call (pipelined, median) {_fmt(g.get('host_us'), 0)}")
         hand = by.get((config, "manual_graph"), {}).get("host_us")
         if hand is not None and g.get("host_us") is not None:
