@@ -48,3 +48,23 @@ def test_explain_finds_nothing_wrong_with_a_clean_step(twins):
     report = graphstep.explain(step, *batches(1)[0])
     assert report.hazards == [], report.hazards
     assert "hazards: none found" in str(report)
+
+
+def test_explain_names_an_optimizer_that_will_run_eagerly_and_not_one_graphstep_makes_capturable(twins):
+    """graphstep makes AdamW capturable itself: no advice to construct it so. Adafactor's step reads the
+    host every time: explain says it will be an eager segment, and why."""
+    (_, _), (model, _) = twins
+    for opt, expected in (
+        (torch.optim.AdamW(model.parameters(), lr=1e-3), None),
+        (torch.optim.Adafactor(model.parameters(), lr=1e-2), "Adafactor.step() will run as an eager segment"),
+    ):
+        step = graphstep.capture(
+            sgd_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend="recording")
+        )
+        hazards = graphstep.explain(step, *batches(1)[0]).hazards
+        assert not any("capturable=True" in h for h in hazards), hazards
+        if expected is None:
+            assert not any("eager segment" in h for h in hazards), hazards
+        else:
+            assert any(expected in h and ".item()" in h for h in hazards), hazards
+        step.close()

@@ -4,7 +4,7 @@ Runs the step once eagerly as a dry run (its writes, grads, optimizer state and 
 back afterwards) and reports: which inputs are copied into static buffers and which Python
 values become part of the graph's key, which state the guards will watch, and the hazards it
 finds: host syncs and random draws on the host (with the user's line), CPU tensors next to GPU
-ones, module hooks (they run only at capture), optimizers that are not capturable, numbers in
+ones, module hooks (they run only at capture), optimizers it refuses or runs eagerly, numbers in
 the key that may change, objects the step's code reads whose contents no guard watches (a dict
 or a plain object of settings), and Python state the step itself writes (a replay does not
 write it).
@@ -25,9 +25,9 @@ from .guards.barriers import is_simple
 from .guards.read_guard import ReadGuard
 from .guards.reads import Reads, ReadWatch
 from .guards.state_guard import bindings, named_state_tensors
+from .optim import table
+from .optim.plan import eager_only_reason
 from .state import Snapshot
-
-_NOT_CAPTURABLE = ("LBFGS", "SparseAdam")
 
 
 @dataclasses.dataclass
@@ -106,15 +106,17 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
                 )
 
     for opt in state.optimizers:
-        kind = type(opt).__name__
-        if kind in _NOT_CAPTURABLE:
-            hazards.append(f"{kind} cannot be captured (it needs a closure or sparse grads).")
-        elif (
-            "cuda" in devices
-            and "capturable" in opt.defaults
-            and not any(g.get("capturable") or g.get("fused") for g in opt.param_groups)
-        ):
-            hazards.append(f"{kind} is not capturable: construct it with capturable=True (or fused=True).")
+        # graphstep itself makes an optimizer capturable (or fused) on the first call: only a class
+        # it refuses, or one whose step reads the host every time, is worth a line.
+        refused = table.torch_class(opt, table.REFUSED)
+        eager_only = eager_only_reason(opt, on_device="cuda" in devices)
+        if refused is not None:
+            hazards.append(table.REFUSED[refused])
+        elif eager_only:
+            hazards.append(
+                f"{type(opt).__name__}.step() will run as an eager segment between graph replays (one wait "
+                f"for the GPU per call): {eager_only}"
+            )
 
     reads = Reads.of_function(fn)
     if backend.static_buffers:
