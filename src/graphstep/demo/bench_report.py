@@ -212,7 +212,9 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     isolation = (
-        "Each row ran in a fresh process: its memory peak is the method's own."
+        meta["isolate"]  # rows of runs merged by `main`: the merger says which ran where
+        if isinstance(meta.get("isolate"), str)
+        else "Each row ran in a fresh process: its memory peak is the method's own."
         if meta.get("isolate")
         else "All rows ran in one process (--in-process): memory peaks may include earlier rows' leftovers."
     )
