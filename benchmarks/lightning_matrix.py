@@ -176,8 +176,21 @@ def fit(case: tuple[str, str, str, int], steps: int, callbacks: list, accelerato
         "rows": record.rows,
         "module": module,
         "global_step": trainer.global_step,
+        "progress": progress_counters(trainer.fit_loop.state_dict()),
         "ms": record.ms_per_step(accumulate),
     }
+
+
+def progress_counters(state: dict, path: str = "") -> dict[str, int]:
+    """A Lightning loop's counters (what a checkpoint resumes from), flattened:
+    {'epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad.total.completed': n, ...}."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            found.update(progress_counters(value, f"{path}{key}."))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            found[path + key] = value
+    return found
 
 
 def differences(plain: dict, graphed: dict) -> list[str]:
@@ -185,6 +198,9 @@ def differences(plain: dict, graphed: dict) -> list[str]:
     found = []
     if plain["global_step"] != graphed["global_step"]:
         found.append(f"global_step {plain['global_step']} != {graphed['global_step']}")
+    counters = [k for k in plain["progress"] if plain["progress"][k] != graphed["progress"].get(k)]
+    if counters:
+        found.append(f"Lightning's counters differ: {counters[:3]}")
     if len(plain["losses"]) != len(graphed["losses"]):
         found.append(f"{len(plain['losses'])} batches != {len(graphed['losses'])}")
     for i, (a, b) in enumerate(zip(plain["losses"], graphed["losses"])):

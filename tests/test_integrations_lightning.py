@@ -8,6 +8,9 @@ captured one), so the runs are bitwise comparable.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from graphstep.errors import GraphStepError  # noqa: E402
 from graphstep.integrations.lightning import GraphStepCallback, callback_class  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from lightning_matrix import progress_counters  # noqa: E402
 
 STEPS = 12
 pytestmark = pytest.mark.timeout(120)  # a wrong step count would train forever (max_steps never reached)
@@ -121,6 +127,9 @@ def assert_same_runs(plain, captured, plain_module, captured_module, batches=STE
         for key in a:
             assert torch.equal(a[key], b[key]), f"step {i}: {key} {a[key]} != {b[key]}"
     assert t1.global_step == t2.global_step == STEPS
+    # Lightning's own progress counters (what a checkpoint resumes from): every one advanced as in
+    # plain Lightning, those of code that ran on the device during replays included.
+    assert progress_counters(t1.fit_loop.state_dict()) == progress_counters(t2.fit_loop.state_dict())
     train_rows1 = [(s, {k: v for k, v in m.items() if k != "epoch"}) for s, m in rows1]
     train_rows2 = [(s, {k: v for k, v in m.items() if k != "epoch"}) for s, m in rows2]
     assert train_rows1 == train_rows2 and len(train_rows1) >= STEPS

@@ -200,6 +200,14 @@ class _GraphStepLogic:
         closure._result = result_cls.from_training_step_output(
             output, self._trainer().accumulate_grad_batches
         )
+        if not self._ran and _closure_kind(closure)[0]:
+            # A replay zeroed the grads on the device; Lightning counts zero_grad in the closure's
+            # Python (ready, started, completed), which ran at capture only: count this one too.
+            loop = self._trainer().fit_loop.epoch_loop.automatic_optimization
+            zero_grad = loop.optim_progress.optimizer.zero_grad
+            zero_grad.increment_ready()
+            zero_grad.increment_started()
+            zero_grad.increment_completed()
         self._log(logged)
 
     def _run_automatic(
