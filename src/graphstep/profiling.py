@@ -19,9 +19,10 @@ up, which captured and which replayed:
 Cost: `record_function` costs about 6 µs per range on a CPU even when no profiler runs (torch 2.13,
 measured on the CI machine), so it is entered only while a profiler is active
 (`torch._C._autograd._profiler_enabled()`, 0.04 µs). With neither a profiler nor CUDA a range
-costs about 0.4 µs. An NVTX push and pop cost several µs per replay on the H100 host that measured
-them, with no Nsight tool attached (benchmarks/results/h100_2026-11-25_host-cost.json), which is a
-large share of a replay's own host time. So NVTX ranges are pushed, with CUDA, around the phases
+costs about 0.4 µs. An NVTX push and pop per replay cost several µs on the H100 host that measured
+them, with no Nsight tool attached: leaving them out is part of the drop of graphstep's own time per
+replayed call from 41 to 19 µs (benchmarks/results/h100_2026-11-25_host-cost*.json, with the other
+changes of that day). So NVTX ranges are pushed, with CUDA, around the phases
 that run rarely (warm-up, capture, eager segments) always, and around replays only when a tool is
 attached: `NVTX_INJECTION64_PATH` is set, as Nsight Systems and Nsight Compute set it in the
 process they profile. `GRAPHSTEP_NVTX=1` pushes replay ranges too (a tool that attaches another
