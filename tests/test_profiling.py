@@ -104,7 +104,7 @@ def test_a_profiled_step_shows_warmup_capture_and_replay_ranges():
     ("environment", "replays_ranged"),
     [
         ({}, False),  # no tool attached: a push and pop per replay would cost several µs for nobody
-        ({"NVTX_INJECTION64_PATH": "/opt/nsight/libToolsInjection64.so"}, True),  # as Nsight sets it
+        ({"NVTX_INJECTION64_PATH": "/opt/nsight/libToolsInjection64.so"}, True),  # a tool attached
         ({"GRAPHSTEP_NVTX": "1"}, True),
         ({"GRAPHSTEP_NVTX": "0", "NVTX_INJECTION64_PATH": "/opt/nsight/libToolsInjection64.so"}, False),
     ],

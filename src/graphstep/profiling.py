@@ -24,9 +24,9 @@ them, with no Nsight tool attached: leaving them out is part of the drop of grap
 replayed call from 41 to 19 µs (benchmarks/results/h100_2026-11-25_host-cost*.json, with the other
 changes of that day). So NVTX ranges are pushed, with CUDA, around the phases
 that run rarely (warm-up, capture, eager segments) always, and around replays only when a tool is
-attached: `NVTX_INJECTION64_PATH` is set, as Nsight Systems and Nsight Compute set it in the
-process they profile. `GRAPHSTEP_NVTX=1` pushes replay ranges too (a tool that attaches another
-way), `GRAPHSTEP_NVTX=0` leaves NVTX out altogether.
+attached: `NVTX_INJECTION64_PATH` is set, the usual way an NVTX tool attaches to a process. Newer
+NVTX versions can also find a tool through the CUDA driver, which this check does not see:
+`GRAPHSTEP_NVTX=1` pushes replay ranges in any case, `GRAPHSTEP_NVTX=0` leaves NVTX out altogether.
 """
 
 from __future__ import annotations
