@@ -68,3 +68,34 @@ def test_explain_names_an_optimizer_that_will_run_eagerly_and_not_one_graphstep_
         else:
             assert any(expected in h and ".item()" in h for h in hazards), hazards
         step.close()
+
+
+HISTORY: list[int] = []
+
+
+def test_explain_lists_the_writes_a_capture_would_refuse_and_takes_them_back():
+    """A module attribute counted up in forward and a global list appended to: explain names each once,
+    with its line, and leaves both as they were."""
+    from test_effects_writes import Counting
+
+    model = Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def fn(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        HISTORY.append(1)  # write: history
+        return loss
+
+    step = graphstep.capture(fn, model=model, optimizer=opt, config=graphstep.Config(backend="recording"))
+    hazards = graphstep.explain(step, *batches(1)[0]).hazards
+    writes = [h for h in hazards if "PythonWriteError" in h]
+    assert len(writes) == 2, hazards
+    assert any("self.seen += 1" in h and "0 -> 1" in h for h in writes), writes
+    assert any("HISTORY.append(1)" in h for h in writes), writes
+    assert not any(h.startswith("model.seen is written") for h in hazards), hazards  # named once
+    assert model.seen == 0 and HISTORY == []  # taken back
+    assert step.stats.warmup_calls == 0
+    step.close()

@@ -243,7 +243,9 @@ def test_explain_points_out_unguarded_reads_and_the_steps_own_writes(twins):
     report = graphstep.explain(captured, *batches(1)[0])
     text = str(report)
     assert "global 'SETTINGS' in helpers_reads.py: dict, 1 entries by content" in text, text
-    assert "model.last_batch" in text and "written by the step" in text, text
+    # Named once, as the write a capture refuses (with the line), not again as a value left unguarded.
+    assert "model.last_batch = x.shape[0]" in text and "PythonWriteError" in text, text
+    assert "model.last_batch is written by the step" not in text, text
     assert "global 'TEMPERATURE' in helpers_reads.py = 1.0" in text, text  # guarded, and listed
     assert "global 'CONFIG' in helpers_reads.py: LossConfig, 2 entries by content" in text, text
 

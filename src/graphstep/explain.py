@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from . import effects
 from . import signature as sig
 from .backends import library_segments
 from .backends.undo import UndoLog
@@ -119,15 +120,16 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
             )
 
     reads = Reads.of_function(fn)
+    refused_attributes: set[tuple[int, str]] = set()
     if backend.static_buffers:
-        syncs, reads, draws, segments = _dry_run(step, backend, args, kwargs)
-        hazards += [f"host sync at {site}" for site in syncs] + draws
+        syncs, reads, effects_found, segments, refused_attributes = _dry_run(step, backend, args, kwargs)
+        hazards += [f"host sync at {site}" for site in syncs] + effects_found
         hazards += [
             f"{name} runs as an eager segment between graph replays (one wait for the GPU per call): {why}"
             for name, why in segments.items()
         ]
     read_guard = ReadGuard(reads)
-    hazards += _read_hazards(state, reads, read_guard)
+    hazards += _read_hazards(state, reads, read_guard, refused_attributes)
 
     named = list(named_state_tensors(state, fn))
     guarded = {
@@ -155,7 +157,11 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
     )
 
 
-def _read_hazards(state: Any, reads: Reads, guard: ReadGuard) -> list[str]:
+def _read_hazards(
+    state: Any, reads: Reads, guard: ReadGuard, refused_attributes: set[tuple[int, str]]
+) -> list[str]:
+    """Reads no guard can watch, and values the step writes (left out of the guards); a module
+    attribute whose write a capture refuses is listed once, with the refusal."""
     hazards = []
     if not reads.complete:
         hazards.append(
@@ -168,7 +174,11 @@ def _read_hazards(state: Any, reads: Reads, guard: ReadGuard) -> list[str]:
         for what in guard.unguarded + guard.contents.unguarded
     ]
     names = {id(m): n for prefix, root in state.named_modules_roots() for n, m in _named(prefix, root)}
-    written = [f"{names[i]}.{attr}" for i, attr in sorted(reads.module_writes, key=str) if i in names]
+    written = [
+        f"{names[i]}.{attr}"
+        for i, attr in sorted(reads.module_writes, key=str)
+        if i in names and (i, attr) not in refused_attributes
+    ]
     written += reads.written + guard.written
     hazards += [
         f"{what} is written by the step: a replay runs no Python, so it keeps the value of the capture "
@@ -184,12 +194,15 @@ def _named(prefix: str, root: Any) -> list[tuple[str, Any]]:
 
 def _dry_run(
     step: CapturedStep, backend: Any, args: tuple, kwargs: dict
-) -> tuple[list[str], Reads, list[str], dict[str, str]]:
-    """Run the step once eagerly, note its host syncs, its host random draws, the library calls that
-    would run as eager segments and what its Python reads, and take everything it did to tensors and
+) -> tuple[list[str], Reads, list[str], dict[str, str], set[tuple[int, str]]]:
+    """Run the step once eagerly, note its host syncs, its host random draws and Python writes (and
+    prints), the library calls that would run as eager segments and what its Python reads, and take
+    everything it did to Python state, tensors and
     generators back."""
     refs = Snapshot.take(step._state, backend.cuda_devices)
     undo = UndoLog()
+    # What a capture would refuse, found and taken back (the eager backend refuses nothing).
+    python = effects.WriteWatch(step._name, enabled=backend.static_buffers, report=True)
     draws = host_random.HostRandomWatch(
         step._name,
         "cuda" if backend.cuda_devices else "cpu",
@@ -205,9 +218,18 @@ def _dry_run(
             ReadWatch(arguments) as reads,
             draws,
             undo,
+            python,
         ):
             step._fn(*args, **kwargs)
     finally:
         undo.roll_back()
         refs.restore()
-    return watch.sites, reads.reads, [draw_advice.hazard(d) for d in draws.draws], segments
+    hazards = [draw_advice.hazard(d) for d in draws.draws]
+    hazards += [
+        f"writes Python state that outlives the call (a capture refuses it with PythonWriteError): {w}"
+        for w in python.found
+    ]
+    hazards += [
+        f"prints or logs (on warm-ups and at capture only, not on replays): {p}" for p in python.prints
+    ]
+    return watch.sites, reads.reads, hazards, segments, python.found_attributes

@@ -73,6 +73,8 @@ class Write:
     where: str
     what: str
     undo: Callable[[], None]
+    attribute: tuple[int, str] | None = None
+    """(id of the object, attribute name) of an attribute write."""
 
 
 @dataclasses.dataclass
@@ -112,13 +114,19 @@ class WriteWatch:
     On leaving without an error, refused writes are taken back and raised as `PythonWriteError`
     (unless `allow`); on leaving with an error, they are taken back and the error goes on. `roll_back`
     takes them back later too (a capture that failed after the step ran). Enters once: a body that is
-    run again (the eager backend's replays) is not watched again.
+    run again (the eager backend's replays) is not watched again. `report=True` (explain's dry run):
+    the writes that would be refused are taken back and listed in `found`, nothing raised or logged.
     """
 
-    def __init__(self, step_name: str, *, allow: bool = False, enabled: bool = True):
+    def __init__(self, step_name: str, *, allow: bool = False, enabled: bool = True, report: bool = False):
         self.step_name = step_name
         self.allow = allow
         self.enabled = enabled
+        self.report = report
+        self.found: list[str] = []
+        """With `report`: `where: what` of each write a capture would refuse."""
+        self.found_attributes: set[tuple[int, str]] = set()
+        """With `report`: (id of the object, name) of the attributes among them."""
         self.writes: list[Write] = []
         self.prints: list[str] = []
         """Sites of `print` and `logging` calls in user frames."""
@@ -172,6 +180,11 @@ class WriteWatch:
             self.finish(frame)
         self._census.drop()
         if kind is not None:
+            self.roll_back()
+            return
+        if self.report:
+            self.found = list(dict.fromkeys(f"{w.where}: {w.what}" for w in self.writes))
+            self.found_attributes = {w.attribute for w in self.writes if w.attribute is not None}
             self.roll_back()
             return
         if self.writes and not self.allow:
@@ -324,15 +337,22 @@ class WriteWatch:
                 what = f"`{p.text}`, attribute {p.name!r} of {values.described(p.obj)}"
                 what += f": {values.shown(p.before[1])} -> {values.shown(values.MISSING if now is None else now[1])}"
                 undo = functools.partial(values.restore_attr, p.obj, p.name, p.before)
-                self._refuse(frame, p.line, what, undo)
+                self._refuse(frame, p.line, what, undo, attribute=(id(p.obj), p.name))
         elif not values.unchanged(p.obj, p.before) and self._census.existed(p.obj):
             what = f"`{p.text}` changes {values.described(p.obj)} in place"
             self._refuse(frame, p.line, what, functools.partial(values.restore_contents, p.obj, p.before))
 
-    def _refuse(self, frame: types.FrameType, line: int, what: str, undo: Callable[[], None]) -> None:
+    def _refuse(
+        self,
+        frame: types.FrameType,
+        line: int,
+        what: str,
+        undo: Callable[[], None],
+        attribute: tuple[int, str] | None = None,
+    ) -> None:
         if _in_segment(frame):  # an eager segment runs on every replay: its writes are repeated
             return
-        self.writes.append(Write(site(frame, line), what, undo))
+        self.writes.append(Write(site(frame, line), what, undo, attribute))
 
 
 def _in_segment(frame: types.FrameType | None) -> bool:
