@@ -122,3 +122,27 @@ class Backend(Protocol):
 
 def empty_like_strided(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+
+
+class HostBackend:
+    """What the backends that run on the host share (eager, recording): no memory pool, no CUDA
+    device, warm-up as a plain call."""
+
+    graphs = 0  # no pool to share: these never change
+    users = 0
+    cuda_devices: tuple[int, ...] = ()
+
+    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
+        return fn(*args, **kwargs)
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return empty_like_strided(like)
+
+    def pool_bytes(self) -> int:
+        return 0
+
+    def renew_pool(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

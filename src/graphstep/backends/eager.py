@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from .base import CaptureBody, Recording, empty_like_strided
+from .base import CaptureBody, HostBackend, Recording
 from .segments import Splitter
 from .undo import UndoLog
 
@@ -32,18 +29,12 @@ class _EagerRecording:
         self.outputs = None
 
 
-class EagerBackend:
+class EagerBackend(HostBackend):
     """Runs the step eagerly on every call: for CPU tensors, or machines without CUDA."""
 
     name = "eager"
     static_buffers = False
     capture_executes = True
-    graphs = 0  # no pool to share: these never change
-    users = 0
-    cuda_devices = ()
-
-    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
-        return fn(*args, **kwargs)
 
     def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
         # The step runs here; if it (or the check of its outputs) fails, take its writes back.
@@ -55,15 +46,3 @@ class EagerBackend:
             undo.roll_back()
             raise
         return _EagerRecording(body, outputs)
-
-    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        return empty_like_strided(like)
-
-    def pool_bytes(self) -> int:
-        return 0
-
-    def renew_pool(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from ..diagnostics import host_sync_of
-from .base import CaptureBody, PartsRecording, empty_like_strided
+from .base import CaptureBody, HostBackend, PartsRecording
 from .segments import Splitter
 from .undo import UndoLog
 
@@ -97,18 +97,12 @@ def _replay_ops(ops: list) -> None:
                     buffer.copy_(value)
 
 
-class RecordingBackend:
+class RecordingBackend(HostBackend):
     """Capture records the step's ATen operations; a replay re-runs them on the same memory."""
 
     name = "recording"
     static_buffers = True
     capture_executes = True
-    graphs = 0  # no pool to share: these never change
-    users = 0
-    cuda_devices = ()
-
-    def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
-        return fn(*args, **kwargs)
 
     def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> PartsRecording:
         recorder = _Recorder()
@@ -126,18 +120,6 @@ class RecordingBackend:
         # The outputs share storage with the recorded buffers that replays overwrite.
         recording.outputs = outputs
         return recording
-
-    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        return empty_like_strided(like)
-
-    def pool_bytes(self) -> int:
-        return 0
-
-    def renew_pool(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _nothing() -> None:
