@@ -119,20 +119,28 @@ class ReadGuard:
     def _holds_by_value(self) -> bool:
         """The per-binding loop: a simple value rebound to an equal one (`LR = 1e-3` again) holds,
         and the equal objects are adopted, so the next identity pass holds again."""
+        rebound = False
         for _, ns, name, value, by_value in self.globals:
             now = ns.get(name, MISSING)
-            if now is not value and not (by_value and type(now) is type(value) and now == value):
-                return False
+            if now is not value:
+                if not (by_value and type(now) is type(value) and now == value):
+                    return False
+                rebound = True
         for _, cell, value, by_value in self.cells:
             try:
                 now = cell.cell_contents
             except ValueError:
                 return False
-            if now is not value and not (by_value and type(now) is type(value) and now == value):
-                return False
-        self.globals = [(label, ns, name, ns.get(name, MISSING), v) for label, ns, name, _, v in self.globals]
-        self.cells = [(label, cell, cell.cell_contents, v) for label, cell, _, v in self.cells]
-        self._index_bindings()
+            if now is not value:
+                if not (by_value and type(now) is type(value) and now == value):
+                    return False
+                rebound = True
+        if rebound:  # adopt the equal objects (a namespace that is not a plain dict comes here every call)
+            self.globals = [
+                (label, ns, name, ns.get(name, MISSING), v) for label, ns, name, _, v in self.globals
+            ]
+            self.cells = [(label, cell, cell.cell_contents, v) for label, cell, _, v in self.cells]
+            self._index_bindings()
         return not self.contents.roots or self.contents.holds()
 
     def changes(self) -> list[tuple[str, bool]]:
