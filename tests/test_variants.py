@@ -5,6 +5,7 @@ and `verify_against="capture"` catches a baked value that no guard watches."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -89,3 +90,58 @@ def test_verify_against_a_fresh_capture_catches_a_baked_value_no_guard_sees():
     opt.param_groups[0]["lr"] = 0.5  # baked into the graph; guards are off
     with pytest.raises(graphstep.errors.VerificationError, match="reference run"):
         step(*data[3])
+
+
+CHURNING = {"scale": 1.0, "step": 0}
+
+
+def test_a_value_that_changes_every_call_and_costs_a_capture_every_call_is_named_once(caplog):
+    """The loop keeps a counter in a dict the step reads: every call captures another variant and
+    none replays. Results stay right, so nothing else would say it: one warning names the entry."""
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y) * CHURNING["scale"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    captured = graphstep.capture(
+        step, model=model, optimizer=opt, config=graphstep.Config(backend="recording")
+    )
+    data = batches(12)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        for i, (x, y) in enumerate(data):
+            CHURNING["step"] = i
+            captured(x, y)
+    said = [r.message for r in caplog.records if "each call captured another variant" in r.message]
+    assert len(said) == 1, said
+    assert "global 'CHURNING'" in said[0] and "['step']" in said[0] and "['scale']" not in said[0], said[0]
+    assert captured.stats.replays == 0 and captured.stats.variants == len(data) - 4, captured.stats
+    captured.close()
+
+
+def test_flipping_between_two_values_reuses_variants_and_is_not_named(caplog):
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    flags = {"scale": 1.0}
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y) * flags["scale"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    captured = graphstep.capture(
+        step, model=model, optimizer=opt, config=graphstep.Config(backend="recording")
+    )
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        for i, (x, y) in enumerate(batches(16)):
+            flags["scale"] = 1.0 if i % 2 else 0.5
+            captured(x, y)
+    assert not [r for r in caplog.records if "each call captured another variant" in r.message]
+    assert captured.stats.variant_switches > 0
+    captured.close()

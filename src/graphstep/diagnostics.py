@@ -54,6 +54,41 @@ class StepStats:
     """Bytes the step's private memory pool holds from the driver now (0 without CUDA)."""
 
 
+class VariantChurn:
+    """Variants of one signature's graph captured call after call, with no replay between, because
+    the same value changed every time (a counter kept in a dict the step reads): each such call pays
+    a capture and gains nothing, and the results are right, so nothing else would say it. Said once
+    per value, after `CALLS` calls in a row."""
+
+    CALLS = 4
+
+    def __init__(self, step_name: str, max_graphs: int):
+        self.step_name = step_name
+        self.max_graphs = max_graphs
+        self.run: list[set[str]] = []
+        """Per variant captured since the last replay: where its changes were."""
+        self._said: set[str] = set()
+
+    def captured(self, changes: tuple[str, ...]) -> None:
+        self.run.append({text.split(": ", 1)[0] for text in changes})
+        del self.run[: -self.CALLS]
+        every = set.intersection(*self.run) - self._said if len(self.run) == self.CALLS else set()
+        if every:
+            self._said |= every
+            log.warning(
+                "graphstep: %s: the same values changed on each of the last %d calls, and each call "
+                "captured another variant of the graph instead of replaying one (past max_graphs=%d the "
+                "least recently used are dropped), so these calls gain nothing from graphs:\n%s\n"
+                "If the step does not read such a value, keep it out of the objects the step reads (a "
+                "dict or list the step reads is compared whole); if it does, keep it in a 0-d device "
+                "tensor updated in place (`t.fill_(value)`) or pass it as a tensor argument.",
+                self.step_name,
+                self.CALLS,
+                self.max_graphs,
+                "\n".join(f"  - {where}" for where in sorted(every)),
+            )
+
+
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
     """The innermost traceback frame that is neither graphstep's nor torch's: the user's line."""
     return user_frame_of(traceback.extract_tb(tb))

@@ -32,7 +32,7 @@ from .backends import library_segments, segments
 from .backends.base import PartsRecording, Recording
 from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
-from .diagnostics import capture_error, eager_fallback_message, log, stale_message
+from .diagnostics import VariantChurn, capture_error, eager_fallback_message, log, stale_message
 from .distributed.ranks import Agreement, Phase
 from .effects import host_random
 from .errors import GraphStepError, StaleGraphError
@@ -96,6 +96,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
+        self.churn = VariantChurn(ctx.name, ctx.config.max_graphs)
 
     def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
         """One call of this signature: plan what this rank would do, agree with the other ranks (all
@@ -131,6 +132,8 @@ class Lifecycle:
         if current.modes_epoch != ctx.modes.epoch:
             return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
         if current.guard is None or current.guard.holds():
+            if self.churn.run:  # a replay ends a run of variants captured call after call
+                self.churn.run.clear()
             return _REPLAY
         changes = current.guard.changes()
         if not changes:  # an unrelated module elsewhere in the process was re-registered
@@ -140,6 +143,7 @@ class Lifecycle:
             if variant is not current and variant.modes_epoch == ctx.modes.epoch and variant.guard.holds():
                 self.current = variant
                 ctx.stats.variant_switches += 1
+                self.churn.run.clear()  # a graph is used again: no churn
                 return _REPLAY
         if ctx.optim.state_layout() != current.optimizer_layout or any(
             getattr(c, "warm_up", False) for c in changes
@@ -190,6 +194,7 @@ class Lifecycle:
             return self.capture(leaves, args, kwargs, replaced=[])
         if plan.kind == "variant":
             ctx.stats.variants += 1
+            self.churn.captured(plan.changes)
             log.info(
                 "graphstep: capturing another variant of %s for the current values of:\n%s",
                 ctx.name,
