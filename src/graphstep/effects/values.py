@@ -15,23 +15,25 @@ from torch import nn
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
 
+_LIST_MUTATORS = frozenset(
+    [
+        "append",
+        "extend",
+        "insert",
+        "pop",
+        "remove",
+        "clear",
+        "sort",
+        "reverse",
+        "__setitem__",
+        "__delitem__",
+        "__iadd__",
+        "__imul__",
+    ]
+)
+
 _MUTATORS: dict[type, frozenset[str]] = {
-    list: frozenset(
-        [
-            "append",
-            "extend",
-            "insert",
-            "pop",
-            "remove",
-            "clear",
-            "sort",
-            "reverse",
-            "__setitem__",
-            "__delitem__",
-            "__iadd__",
-            "__imul__",
-        ]
-    ),
+    list: _LIST_MUTATORS,
     dict: frozenset(
         [
             "__setitem__",
@@ -79,20 +81,7 @@ _MUTATORS: dict[type, frozenset[str]] = {
             "__iadd__",
         ]
     ),
-    bytearray: frozenset(
-        [
-            "append",
-            "extend",
-            "insert",
-            "pop",
-            "remove",
-            "clear",
-            "reverse",
-            "__setitem__",
-            "__delitem__",
-            "__iadd__",
-        ]
-    ),
+    bytearray: _LIST_MUTATORS - {"sort"},  # a list's, less sort
 }
 _mutator_cache: dict[type, frozenset[str]] = {}
 

@@ -158,6 +158,15 @@ def describe(value: Any) -> str:
     return f"<{type(value).__qualname__} object>"
 
 
+def change(label: str, was: Any, now: Any, by_value: bool) -> tuple[str, bool] | None:
+    """How a value a graph read differs now, as `(text, is_value_change)`; None when it does not."""
+    if same(now, was, by_value):
+        return None
+    if by_value and (now is MISSING or is_simple(now)):
+        return f"{label}: {describe(was)} -> {describe(now)}", True
+    return f"{label}: now refers to another object ({describe(now)})", False
+
+
 # -- the watch over a step's modules ------------------------------------------------------------
 
 
@@ -249,13 +258,9 @@ class ModuleWatch:
             now = self._attrs_of(m)
             for key in sorted(recorded.keys() | now.keys()):
                 was, by_value = recorded.get(key, (MISSING, True))
-                value = now.get(key, (MISSING, True))[0]
-                if same(value, was, by_value):
-                    continue
-                if by_value and (value is MISSING or is_simple(value)):
-                    found.append((f"{name}.{key}: {describe(was)} -> {describe(value)}", True))
-                else:
-                    found.append((f"{name}.{key}: now refers to another object ({describe(value)})", False))
+                differs = change(f"{name}.{key}", was, now.get(key, (MISSING, True))[0], by_value)
+                if differs is not None:
+                    found.append(differs)
         if not found:  # nothing the graph depends on: adopt what was written
             self.dirty.clear()
             self.sizes = [len(m.__dict__) for m in self.modules]

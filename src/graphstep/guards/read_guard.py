@@ -10,7 +10,7 @@ import operator
 from typing import Any
 
 from . import contents
-from .barriers import MISSING, cell_value, describe, is_simple, same
+from .barriers import MISSING, cell_value, change, is_simple
 from .reads import Reads
 
 log = logging.getLogger("graphstep")
@@ -145,17 +145,10 @@ class ReadGuard:
 
     def changes(self) -> list[tuple[str, bool]]:
         """(text, is_value_change) per difference."""
-        found = []
         current = [
             (label, ns.get(name, MISSING), value, by_value)
             for label, ns, name, value, by_value in self.globals
         ]
         current += [(label, cell_value(cell), value, by_value) for label, cell, value, by_value in self.cells]
-        for label, now, value, by_value in current:
-            if same(now, value, by_value):
-                continue
-            if by_value and (now is MISSING or is_simple(now)):
-                found.append((f"{label}: {describe(value)} -> {describe(now)}", True))
-            else:
-                found.append((f"{label}: now refers to another object", False))
+        found = [d for label, now, value, by_value in current if (d := change(label, value, now, by_value))]
         return found + self.contents.changes()
