@@ -21,14 +21,13 @@ row per combination) and a markdown table beside it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
@@ -42,6 +41,7 @@ try:
 except ImportError:  # the unified package
     import lightning.pytorch as pl
 
+from graphstep.demo.train import deterministic
 from graphstep.integrations.lightning import callback_class
 
 OPTIMIZERS: dict[str, Callable] = {
@@ -216,16 +216,6 @@ def differences(plain: dict, graphed: dict) -> list[str]:
             found.append(f"parameter {name}: max |diff| {(p - q).abs().max().item():.3g}")
             break
     return found
-
-
-@contextlib.contextmanager
-def deterministic() -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 def run_case(case: tuple[str, str, str, int], steps: int, *, cpu: bool = False) -> dict:

@@ -11,20 +11,11 @@ import torch
 
 import graphstep
 from graphstep.demo.gpt import GPT, GPTConfig, make_batches
+from graphstep.demo.train import deterministic  # noqa: F401  (the GPU tests import it from here)
 
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SMALL = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
-
-
-@contextlib.contextmanager
-def deterministic() -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 def gpt_pair(cfg: GPTConfig = SMALL, **adamw) -> tuple[tuple, tuple]:

@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,12 +132,20 @@ def run_demo(steps: int | None = None, device: str | None = None) -> int:
         return 2
 
     # Eager is only run-to-run deterministic with deterministic kernels (no atomics in reductions);
-    # without it a mismatch could be eager's own noise. Restored afterwards: it is process-global.
+    # without it a mismatch could be eager's own noise.
+    with deterministic():
+        return _compare(steps=steps, device=dev)
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """Deterministic kernels while inside (what a bitwise comparison with eager needs); the
+    process-global setting, warn-only included, is put back afterwards."""
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        return _compare(steps=steps, device=dev)
+        yield
     finally:
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
 
