@@ -145,3 +145,20 @@ def test_flipping_between_two_values_reuses_variants_and_is_not_named(caplog):
     assert not [r for r in caplog.records if "each call captured another variant" in r.message]
     assert captured.stats.variant_switches > 0
     captured.close()
+
+
+def test_the_variant_churn_counts_a_capturing_call_s_own_replay_as_no_reuse(caplog):
+    """On CUDA the call that captures replays once to take its step: that replay must not end a run
+    of variants captured call after call; a replay of a graph in between does."""
+    from graphstep.diagnostics import VariantChurn
+
+    churn = VariantChurn("step", max_graphs=8)
+    change = ("global 'CFG' in train.py, at ['step']: 1 -> 2",)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        for replays in range(VariantChurn.CALLS - 1):  # each capture's own replay: replays + 1
+            churn.captured(change, replays, own_replay=True)
+        churn.captured(change, VariantChurn.CALLS + 5, own_replay=True)  # graphs were replayed between
+        assert not caplog.records
+        for replays in range(VariantChurn.CALLS + 6, 2 * VariantChurn.CALLS + 5):
+            churn.captured(change, replays, own_replay=True)
+    assert len(caplog.records) == 1 and "at ['step']" in caplog.records[0].message

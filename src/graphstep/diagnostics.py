@@ -67,9 +67,17 @@ class VariantChurn:
         self.max_graphs = max_graphs
         self.run: list[set[str]] = []
         """Per variant captured since the last replay: where its changes were."""
+        self._replays = -1
         self._said: set[str] = set()
 
-    def captured(self, changes: tuple[str, ...]) -> None:
+    def captured(self, changes: tuple[str, ...], replays: int, *, own_replay: bool) -> None:
+        """A variant is about to be captured. `replays`: the step's replays so far; any since the last
+        variant (a switch to an existing one included) ends the run, so nothing is counted on the
+        replays themselves. `own_replay`: the capturing call replays once to take its step (CUDA),
+        which is not a graph used again."""
+        if replays != self._replays:
+            self.run.clear()
+        self._replays = replays + own_replay
         self.run.append({text.split(": ", 1)[0] for text in changes})
         del self.run[: -self.CALLS]
         every = set.intersection(*self.run) - self._said if len(self.run) == self.CALLS else set()

@@ -132,8 +132,6 @@ class Lifecycle:
         if current.modes_epoch != ctx.modes.epoch:
             return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
         if current.guard is None or current.guard.holds():
-            if self.churn.run:  # a replay ends a run of variants captured call after call
-                self.churn.run.clear()
             return _REPLAY
         changes = current.guard.changes()
         if not changes:  # an unrelated module elsewhere in the process was re-registered
@@ -143,7 +141,6 @@ class Lifecycle:
             if variant is not current and variant.modes_epoch == ctx.modes.epoch and variant.guard.holds():
                 self.current = variant
                 ctx.stats.variant_switches += 1
-                self.churn.run.clear()  # a graph is used again: no churn
                 return _REPLAY
         if ctx.optim.state_layout() != current.optimizer_layout or any(
             getattr(c, "warm_up", False) for c in changes
@@ -194,7 +191,7 @@ class Lifecycle:
             return self.capture(leaves, args, kwargs, replaced=[])
         if plan.kind == "variant":
             ctx.stats.variants += 1
-            self.churn.captured(plan.changes)
+            self.churn.captured(plan.changes, ctx.stats.replays, own_replay=not ctx.backend.capture_executes)
             log.info(
                 "graphstep: capturing another variant of %s for the current values of:\n%s",
                 ctx.name,
