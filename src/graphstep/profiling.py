@@ -74,10 +74,9 @@ def _use_nvtx_on_replays() -> bool:
     global _nvtx_on_replays
     if _nvtx_on_replays is None:
         setting = os.environ.get("GRAPHSTEP_NVTX", "")
-        _nvtx_on_replays = setting == "1" or (
-            setting != "0" and bool(os.environ.get("NVTX_INJECTION64_PATH"))
-        )
-    return _nvtx_on_replays and _use_nvtx()
+        wanted = setting == "1" or (setting != "0" and bool(os.environ.get("NVTX_INJECTION64_PATH")))
+        _nvtx_on_replays = wanted and _use_nvtx()
+    return _nvtx_on_replays
 
 
 class ranged:
