@@ -336,6 +336,23 @@ def test_bench_report_redraws_the_files_from_a_json(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_merged_runs_say_where_rows_ran_and_compare_the_compiled_step_like_for_like(tmp_path):
+    """Rows of two runs merged into one file carry the merger's own sentence on where they ran; the
+    whole step compiled is compared with graphstep + compiled model (the target) and, without a
+    target, with plain graphstep."""
+    rows = [r for r in fake_rows() if r["config"] == "tiny" and r["step_ms"] is not None]
+    for method, pipelined in (("graphstep_compiled", 0.9), ("compiled_step", 3.0), ("compiled_step_ro", 2.0)):
+        rows.append(dict(config="tiny", method=method, step_ms=pipelined, pipelined_ms=pipelined, error=None))
+    meta = fake_meta(quick=True)
+    meta["isolate"] = "Rows of the first call ran each in a fresh process; the others in one process."
+    (_, md_path, *_) = bench.write_results(rows, meta, tmp_path, chart=False)
+    md = md_path.read_text()
+    assert meta["isolate"] in md and "Each row ran in a fresh process" not in md
+    assert "graphstep+compiled / whole step compiled (best mode), pipelined 0.45 (≤ 1 ✓)" in md
+    assert "graphstep (model not compiled) / whole step compiled 0.90;" in md  # 1.80 / 2.0, no target
+    assert "hand-written graph's 20" in md
+
+
 @pytest.mark.parametrize(
     ("name", "slug"),
     [
