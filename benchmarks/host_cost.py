@@ -104,6 +104,8 @@ def stages(step, args: tuple, n: int, sync, calls_only: bool = False) -> dict:
     _, leaves = Signature.of(args, {})
 
     def bare_launch():
+        if recording.ring is not None:  # each launch writes the next slot of the output ring
+            recording.ring.before_replay()
         for part in recording.parts:
             part()
 

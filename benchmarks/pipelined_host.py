@@ -78,9 +78,11 @@ def main() -> None:
         steps[name] = (step, itertools.cycle(wl.batches), captured)
         closers.append(close)
     torch.cuda.synchronize()
-    step, batches, captured = steps["graphstep"]
-    life = next(iter(captured._lives.values()))
-    ctx, recording = captured._ctx, life.current.recording
+    step, batches, _ = steps["graphstep"]
+    # Launched by hand below: the step whose outputs are the graph's (an output ring would lose count).
+    hand_step = steps["graphstep_outputs_graph"][2]
+    life = next(iter(hand_step._lives.values()))
+    ctx, recording = hand_step._ctx, life.current.recording
     buffers, loss = life.inputs.tensors, recording.outputs
 
     def hand(*a):

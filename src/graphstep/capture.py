@@ -21,6 +21,7 @@ from . import teardown
 from .config import Config
 from .diagnostics import StepStats, changing_argument_message, log, too_many_graphs_message
 from .errors import ChangingArgumentError, ClosedError, GraphStepError, TooManyGraphsError
+from .guards import fastcheck
 from .lifecycle import Lifecycle, Overflow
 from .signature import Signature
 from .state import TrainingState, as_list
@@ -90,6 +91,10 @@ class CapturedStep:
         self._new_in_a_row: list[Signature] = []
         """Signatures of the last calls, while each call brought a new one (see `_check_churn`)."""
         self._churn_warned = False
+        call_key = getattr(fastcheck.helper(), "CallKey", None)
+        self._last_key = call_key(torch.Tensor) if call_key is not None else None
+        """The last call's tensor arguments (C++), to pick its lifecycle again without a Signature."""
+        self._last_life: Lifecycle | Overflow | None = None
         self._ctx: StepContext | None = None  # set up on the first call
         self._generators = list(generators or [])
         if share_pool_with is not None and not isinstance(share_pool_with, CapturedStep):
@@ -161,6 +166,7 @@ class CapturedStep:
             life.release()
         self._lives.clear()
         self._overflows.clear()
+        self._last_life = None
         if self._ctx is not None and not self._closed:
             self._ctx.renew_pool_if_unused()
 
@@ -195,10 +201,26 @@ class CapturedStep:
         return getattr(self._fn, "__qualname__", repr(self._fn))
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        life = self._last_life
+        if life is not None and self._last_key.matches(args, kwargs):  # the same signature as the last call
+            if self._new_in_a_row:
+                self._new_in_a_row.clear()
+            self._ctx.optim.before_call()
+            return life.call(list(args), args, kwargs)
         signature, leaves = Signature.of(args, kwargs)
         ctx = self._ctx if self._ctx is not None else self._context_for(leaves)
         ctx.optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
-        return self._lifecycle(signature).call(leaves, args, kwargs)
+        life = self._lifecycle(signature)
+        if (
+            self._last_key is not None
+            and signature.spec is sig.flat_spec(len(args))
+            and signature.aliases is None
+        ):
+            self._last_key.remember(args)  # plain tensor arguments only (a Parameter never matches)
+            self._last_life = life
+        else:
+            self._last_life = None
+        return life.call(leaves, args, kwargs)
 
     def _context_for(self, leaves: list[torch.Tensor]) -> StepContext:
         if self._ctx is None:

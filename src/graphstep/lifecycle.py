@@ -28,7 +28,7 @@ import torch
 
 from . import effects
 from . import signature as sig
-from .backends import library_segments, segments
+from .backends import library_segments, output_ring, segments
 from .backends.base import PartsRecording, Recording
 from .backends.buffers import InputBuffers
 from .backends.cuda import CudaGraphBackend
@@ -286,9 +286,11 @@ class Lifecycle:
         if ctx.config.outputs == "graph":
             return outputs
         variant = self.current
+        ring = variant.recording.ring
+        tensors = ring.hand_out() if ring is not None else [t.clone() for t in variant.output_tensors]
         if variant.output_spec is sig.TENSOR_SPEC:  # a step that returns its loss: no tree to rebuild
-            return variant.output_tensors[0].clone()
-        return sig.unflatten(variant.output_spec, [t.clone() for t in variant.output_tensors])
+            return tensors[0]
+        return sig.unflatten(variant.output_spec, tensors)
 
     # -- letting graphs go ---------------------------------------------------------------------
 
@@ -394,6 +396,13 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     python = effects.watch_writes(
         ctx.name, allow_writes=ctx.config.allow_python_writes, graphs=backend.static_buffers
     )
+    ring_flag = (
+        output_ring.new_flag(
+            torch.device("cuda", backend.index) if isinstance(backend, CudaGraphBackend) else "cpu"
+        )
+        if backend.static_buffers and ctx.config.outputs == "clone"
+        else None
+    )
 
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
@@ -412,6 +421,9 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
                 outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
             )
         captured["segments"] = session.segments
+        captured["ring"] = output_ring.record(
+            ring_flag, captured["tensors"], written=backend.capture_executes
+        )
         return outputs
 
     recording, error = None, None
@@ -436,6 +448,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
         recording.segments = captured["segments"]
         recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
         recording.host_draws = captured.get("host_draws", [])
+        recording.ring = captured["ring"]
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     guard = None
     if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing

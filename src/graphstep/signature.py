@@ -44,6 +44,15 @@ class TensorMeta(NamedTuple):
         return f"{dtype}{list(self.shape)} on {self.device}{grad}"
 
 
+def flat_spec(n: int) -> Any:
+    """The spec of a call `step(t1, ..., tn)` with plain tensors: one object per n, shared by the
+    Signatures of such calls (`spec is flat_spec(n)` tells them apart from any other)."""
+    spec = _FLAT_SPECS.get(n)
+    if spec is None:
+        spec = _FLAT_SPECS[n] = flatten((tuple(torch.empty(0) for _ in range(n)), {}))[1]
+    return spec
+
+
 def flatten(tree: Any) -> tuple[list[torch.Tensor], Any]:
     """Split `tree` into its tensor leaves (in order) and a hashable spec of everything else."""
     leaves: list[torch.Tensor] = []
@@ -165,7 +174,7 @@ class Signature:
     def of(cls, args: tuple, kwargs: dict) -> tuple[Signature, list[torch.Tensor]]:
         if not kwargs and all(map(_PLAIN_TENSOR_TYPES.__contains__, map(type, args))):
             leaves = list(args)  # the common call, step(x, y): no tree to walk
-            spec = _FLAT_SPECS.get(len(leaves)) or _FLAT_SPECS.setdefault(len(leaves), flatten((args, {}))[1])
+            spec = _FLAT_SPECS.get(len(leaves)) or flat_spec(len(leaves))
         else:
             leaves, spec = flatten((args, kwargs))
         aliases = None

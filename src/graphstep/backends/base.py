@@ -24,6 +24,8 @@ class Recording(Protocol):
 
     outputs: Any
     """The step's outputs as captured: for a graph, the buffers every replay writes into."""
+    ring: Any
+    """The output ring the outputs are handed out of (see `output_ring.py`), or None: copies."""
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
         """Perform one step and return its outputs (for a graph: `self.outputs`, refreshed)."""
@@ -50,10 +52,14 @@ class PartsRecording:
         self.host_draws: list[Callable[[], None]] = []
         """Host random draws whose values the step ignores, redone after every replay so that the
         host generators advance as eager's do (see `effects/host_random.py`)."""
+        self.ring: Any = None
+        """The output ring the last part writes (see `output_ring.py`), or None."""
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
         parts = self.parts
         if not self.segments:
+            if self.ring is not None:  # the slot the graph writes is taken back from the caller first
+                self.ring.before_replay()
             parts[0]()
             for p, g in self.grads_after:  # grads the step leaves attached, set to None since
                 p.grad = g
@@ -63,6 +69,8 @@ class PartsRecording:
         for part, segment in zip(parts, self.segments):
             part()
             segment.run()
+        if self.ring is not None:  # the last part writes the ring (a segment may have raised before)
+            self.ring.before_replay()
         parts[-1]()
         for p, g in self.grads_after:
             p.grad = g
@@ -74,7 +82,7 @@ class PartsRecording:
         if self.parts:
             self._release()
         self.parts, self.segments, self.grads_after, self.outputs = [], [], [], None
-        self.host_draws = []
+        self.host_draws, self.ring = [], None
 
 
 CaptureBody = Callable[[Splitter], Any]

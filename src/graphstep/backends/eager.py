@@ -21,6 +21,7 @@ class _EagerRecording:
     def __init__(self, body: CaptureBody, outputs: Any):
         self.body = body
         self.outputs = outputs
+        self.ring = None
 
     def replay(self, args: tuple, kwargs: dict) -> Any:
         return self.body(_NO_SPLIT, *args, **kwargs)

@@ -1,4 +1,5 @@
-// The guards' per-replay pass over many tensors, in one C++ loop (see fastcheck.py).
+// graphstep's C++ helper (see fastcheck.py): the guards' per-replay passes over many tensors and
+// dicts, each one C++ loop; at the end, the call key and the output ring of a replay's hot path.
 //
 // From Python, reading one tensor's data pointer or requires_grad costs 50-70 ns (an attribute
 // call through torch's argument and __torch_function__ checks), so 1,000 parameters cost more
@@ -10,6 +11,7 @@
 // GRAPHSTEP_DICTS_ONLY builds the dict checks alone, without torch (to test them on other Pythons).
 #include <pybind11/pybind11.h>
 #ifndef GRAPHSTEP_DICTS_ONLY
+#include <ATen/ops/from_blob.h>
 #include <torch/csrc/autograd/python_variable.h>
 #endif
 
@@ -261,6 +263,124 @@ class DictWatch {
 
 void mark_changed(DictWatch* watch) { watch->set_changed(); }
 
+#ifndef GRAPHSTEP_DICTS_ONLY
+// The tensor arguments of the last call a captured step dispatched: whether a call's positional
+// arguments are tensors of the same class (exactly), shapes, strides, dtypes, devices and
+// requires_grad, none the same object as another, and no keyword arguments. Then it picks the same
+// graph, and building its Signature (signature.py) can be skipped.
+class CallKey {
+ public:
+  explicit CallKey(const py::object& tensor_class) : tensor_class_(tensor_class) {}
+
+  void remember(const py::tuple& args) {
+    metas_.clear();
+    for (const auto& h : args) {
+      const at::Tensor& t = THPVariable_Unpack(h.ptr());
+      metas_.push_back(Meta{t.sizes().vec(), t.strides().vec(), t.scalar_type(), t.device(), t.requires_grad()});
+    }
+  }
+
+  bool matches(const py::tuple& args, const py::dict& kwargs) const {
+    PyObject* a = args.ptr();
+    const Py_ssize_t n = PyTuple_GET_SIZE(a);
+    if (PyDict_GET_SIZE(kwargs.ptr()) != 0 || static_cast<size_t>(n) != metas_.size()) {
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* o = PyTuple_GET_ITEM(a, i);
+      if (reinterpret_cast<PyObject*>(Py_TYPE(o)) != tensor_class_.ptr()) {
+        return false;
+      }
+      for (Py_ssize_t j = 0; j < i; ++j) {
+        if (PyTuple_GET_ITEM(a, j) == o) return false;
+      }
+      const at::Tensor& t = THPVariable_Unpack(o);
+      const Meta& m = metas_[i];
+      if (t.scalar_type() != m.dtype || t.device() != m.device || t.requires_grad() != m.requires_grad ||
+          t.sizes() != c10::IntArrayRef(m.sizes) || t.strides() != c10::IntArrayRef(m.strides)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  struct Meta {
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> strides;
+    c10::ScalarType dtype;
+    c10::Device device;
+    bool requires_grad;
+  };
+  py::object tensor_class_;
+  std::vector<Meta> metas_;
+};
+
+// The outputs of one graph, handed out without a copy per call (see backends/output_ring.py).
+// The graph writes its outputs into slot 0, 1, 0, 1, ... of the ring (its own device flag picks
+// the slot); each call hands out tensors over the slot just written, with storages of their own.
+// Before a replay writes a slot again, whatever the caller still holds of it (any tensor sharing
+// such a storage, views and detached aliases included) is moved to a copy, so a held result never
+// changes; a result the caller let go costs nothing.
+class OutputRing {
+ public:
+  explicit OutputRing(const py::list& slots) {
+    for (const auto& slot : slots) {
+      std::vector<at::Tensor> tensors;
+      for (const auto& t : slot.cast<py::list>()) tensors.push_back(THPVariable_Unpack(t.ptr()));
+      slots_.push_back(std::move(tensors));
+    }
+    handed_.resize(slots_.size());
+  }
+
+  // Call right before the graph that writes the ring launches.
+  void before_replay() {
+    written_ = next_;
+    next_ = (next_ + 1) % slots_.size();
+    auto& handed = handed_[written_];
+    for (size_t i = 0; i < handed.size(); ++i) {
+      c10::intrusive_ptr<c10::StorageImpl> held = handed[i].lock();
+      if (held) move_to_copy(*held, slots_[written_][i]);
+    }
+    handed.clear();
+  }
+
+  // The tensors of the slot the last replay wrote, in new storages over its memory.
+  py::list hand_out() {
+    py::list out;
+    auto& handed = handed_[written_];
+    for (const at::Tensor& slot : slots_[written_]) {
+      // The storage keeps the slot's memory alive (the deleter holds it) even if the graph goes.
+      at::Tensor alias = at::from_blob(
+          slot.data_ptr(), slot.sizes(), slot.strides(), [keep = slot.storage()](void*) {},
+          slot.options(), slot.device());
+      handed.push_back(alias.storage().getWeakStorageImpl());
+      out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(alias))));
+    }
+    return out;
+  }
+
+  // Results handed out and moved to a copy because they were still held (for tests).
+  long long copies() const { return copies_; }
+
+ private:
+  void move_to_copy(c10::StorageImpl& held, const at::Tensor& slot) {
+    // Ordered on the slot's current stream, before the replay that overwrites the slot.
+    at::Tensor copy = slot.clone(at::MemoryFormat::Contiguous);
+    c10::StorageImpl* fresh = copy.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(fresh->nbytes() == held.nbytes(), "graphstep: output ring slot of unexpected size");
+    held.set_data_ptr_noswap(fresh->set_data_ptr(c10::DataPtr(nullptr, slot.device())));
+    ++copies_;
+  }
+
+  std::vector<std::vector<at::Tensor>> slots_;  // [slot][output]
+  std::vector<std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>> handed_;
+  size_t next_ = 0;
+  size_t written_ = 0;
+  long long copies_ = 0;
+};
+#endif
+
 }  // namespace
 
 #ifndef GRAPHSTEP_TORCH_VERSION
@@ -275,6 +395,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TensorCheck>(m, "TensorCheck")
       .def(py::init<const py::list&, const py::list&, const py::list&>())
       .def("holds", &TensorCheck::holds);
+  py::class_<CallKey>(m, "CallKey")
+      .def(py::init<const py::object&>())
+      .def("remember", &CallKey::remember)
+      .def("matches", &CallKey::matches);
+  py::class_<OutputRing>(m, "OutputRing")
+      .def(py::init<const py::list&>())
+      .def("before_replay", &OutputRing::before_replay)
+      .def("hand_out", &OutputRing::hand_out)
+      .def_property_readonly("copies", &OutputRing::copies);
 #endif
   py::class_<DictWatch>(m, "DictWatch")
       .def(py::init<>())

@@ -1,0 +1,74 @@
+"""Small outputs handed out of a ring the graph writes, instead of a copy made per call.
+
+A replay's outputs live in the graph's own buffers, which the next replay overwrites, so by default
+(`Config(outputs="clone")`) each call hands out copies. On a CUDA device that copy is a launch of its
+own, which costs the host about as much as the graph's launch when the GPU queue is deep (the loop
+that does not wait for the GPU: benchmarks/replay_stages.py). Instead, the graph itself copies its
+outputs into one of two slots, alternating (a device flag picks the slot; two `where` kernels per
+output and one to flip the flag, recorded at the end of the capture), and each call hands out tensors
+over the slot just written, in storages of their own. Before a replay writes a slot again, any of
+those storages the caller still holds (a view or `detach()` of a result included) is moved to a copy:
+a result never changes while held, and one the caller let go costs nothing. The same contract as a
+copy per call, without the copy in the common loop (`loss = step(x)`, the previous loss dropped).
+
+Used for outputs of at most `MAX_BYTES` in all, contiguous, on the graph's device, when the C++
+helper is built (`guards/fastcheck.py`): the ring holds two more copies of them. Anything else is
+copied per call as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..guards.fastcheck import helper
+
+SLOTS = 2
+MAX_BYTES = 1 << 20
+"""Outputs larger than this in all are copied per call (the ring would keep two more copies)."""
+
+
+def new_flag(device: torch.device | str) -> torch.Tensor | None:
+    """The device flag that picks the slot, made before the capture (a capture must not make it:
+    its fill would be recorded and replayed); None when rings cannot be used here."""
+    if getattr(helper(), "OutputRing", None) is None:
+        return None
+    return torch.zeros((), dtype=torch.bool, device=device)
+
+
+def record(flag: torch.Tensor | None, tensors: list[torch.Tensor], *, written: bool) -> Any:
+    """Inside the capture, after the step: record the copies of `tensors` into the ring's slots and
+    the flip of `flag`. Returns the ring (`before_replay()`, `hand_out()`), or None where the outputs
+    do not suit one (nothing is recorded then). `written`: the capture runs what it records (the
+    recording backend), so the first slot is written now."""
+    if flag is None or not tensors or not all(_suits(t, flag.device) for t in tensors):
+        return None
+    if sum(t.numel() * t.element_size() for t in tensors) > MAX_BYTES:
+        return None
+    slots = [
+        [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors] for _ in range(SLOTS)
+    ]
+    first, second = slots
+    for t, a, b in zip(tensors, first, second):
+        torch.where(flag, a, t, out=a)  # flag False: this replay writes the first slot
+        torch.where(flag, t, b, out=b)
+    torch.logical_not(flag, out=flag)
+    ring = helper().OutputRing(slots)
+    if written:
+        ring.before_replay()
+    return ring
+
+
+_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool}
+_DTYPES |= {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+
+
+def _suits(t: torch.Tensor, device: torch.device) -> bool:
+    return (
+        t.device == device
+        and t.dtype in _DTYPES
+        and t.layout is torch.strided
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
