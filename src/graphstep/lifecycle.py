@@ -94,6 +94,8 @@ class Lifecycle:
         """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
         self.trainable: list[bool] | None = None
         """`guards.trainable` after the last warm-up."""
+        self.warm_outputs: list[sig.TensorMeta] | None = None
+        """The output tensors of the last warm-up, described: the output ring is made like them."""
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name, ctx.config.max_graphs)
@@ -227,7 +229,9 @@ class Lifecycle:
         self.warmups += 1
         ctx.stats.warmup_calls += 1
         ctx.stats.warmup_s += time.perf_counter() - start
-        return sig.detached(outputs)
+        outputs = sig.detached(outputs)
+        self.warm_outputs = [sig.TensorMeta.of(t) for t in sig.flatten(outputs)[0]]
+        return outputs
 
     def capture(self, leaves: list, args: tuple, kwargs: dict, *, replaced: list[Variant]) -> Any:
         """Capture a graph for the current state, make it the current variant, and perform this
@@ -239,7 +243,7 @@ class Lifecycle:
             args, kwargs = sig.unflatten(self.signature.spec, self.inputs.like(leaves))
             self.inputs.load(leaves)
         try:
-            variant = capture_variant(ctx, args, kwargs, self.segment_results)
+            variant = capture_variant(ctx, args, kwargs, self.segment_results, self.warm_outputs)
         finally:
             for old in replaced:
                 old.recording.release()
@@ -382,9 +386,12 @@ class Overflow:
             return self.ctx.run_eager(args, kwargs)
 
 
-def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results: list) -> Variant:
+def capture_variant(
+    ctx: StepContext, args: tuple, kwargs: dict, segment_results: list, warm_outputs: list | None
+) -> Variant:
     """Capture the step for a call with these (static) arguments; every rank agrees it succeeded.
-    On failure the model, optimizer and RNG are put back as they were and the error raised."""
+    On failure the model, optimizer and RNG are put back as they were and the error raised.
+    `warm_outputs`: the output tensors of the last warm-up, described (the output ring is made like them)."""
     backend = ctx.backend
     start = time.perf_counter()
     ctx.modes.choose_before_capture(ctx.state.optimizers)
@@ -396,10 +403,10 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
     python = effects.watch_writes(
         ctx.name, allow_writes=ctx.config.allow_python_writes, graphs=backend.static_buffers
     )
-    ring_flag = (
-        output_ring.new_flag(
-            torch.device("cuda", backend.index) if isinstance(backend, CudaGraphBackend) else "cpu"
-        )
+    # The output ring's memory, made outside the capture (see output_ring.py).
+    device = torch.device("cuda", backend.index) if isinstance(backend, CudaGraphBackend) else "cpu"
+    ring = (
+        output_ring.prepare(warm_outputs, device)
         if backend.static_buffers and ctx.config.outputs == "clone"
         else None
     )
@@ -421,9 +428,7 @@ def capture_variant(ctx: StepContext, args: tuple, kwargs: dict, segment_results
                 outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
             )
         captured["segments"] = session.segments
-        captured["ring"] = output_ring.record(
-            ring_flag, captured["tensors"], written=backend.capture_executes
-        )
+        captured["ring"] = output_ring.record(ring, captured["tensors"], written=backend.capture_executes)
         return outputs
 
     recording, error = None, None
