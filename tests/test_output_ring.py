@@ -28,7 +28,7 @@ class FakeGraph:
 
     def __init__(self):
         self.slots = [[torch.zeros(()), torch.zeros(3)] for _ in range(2)]
-        self.ring = fastcheck.helper().OutputRing(self.slots)
+        self.ring = fastcheck.helper().OutputRing(self.slots, torch.zeros((), dtype=torch.bool))
         self.next = 0
 
     def replay(self, value: float) -> list[torch.Tensor]:

@@ -71,7 +71,7 @@ def record(prepared: Slots | None, tensors: list[torch.Tensor], *, written: bool
         torch.where(flag, a, t, out=a)  # flag False: this replay writes the first slot
         torch.where(flag, t, b, out=b)
     torch.logical_not(flag, out=flag)
-    ring = helper().OutputRing(prepared.slots)
+    ring = helper().OutputRing(prepared.slots, flag)  # holds the slots and the flag the graph writes
     if written:
         ring.before_replay()
     return ring

@@ -324,7 +324,9 @@ class CallKey {
 // changes; a result the caller let go costs nothing.
 class OutputRing {
  public:
-  explicit OutputRing(const py::list& slots) {
+  // `flag`: the device flag the graph flips each replay, kept alive with the slots (freed, its
+  // memory would go to other tensors while the graph still writes it).
+  OutputRing(const py::list& slots, const py::object& flag) : flag_(THPVariable_Unpack(flag.ptr())) {
     for (const auto& slot : slots) {
       std::vector<at::Tensor> tensors;
       for (const auto& t : slot.cast<py::list>()) tensors.push_back(THPVariable_Unpack(t.ptr()));
@@ -373,6 +375,7 @@ class OutputRing {
     ++copies_;
   }
 
+  at::Tensor flag_;
   std::vector<std::vector<at::Tensor>> slots_;  // [slot][output]
   std::vector<std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>> handed_;
   size_t next_ = 0;
@@ -400,7 +403,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remember", &CallKey::remember)
       .def("matches", &CallKey::matches);
   py::class_<OutputRing>(m, "OutputRing")
-      .def(py::init<const py::list&>())
+      .def(py::init<const py::list&, const py::object&>())
       .def("before_replay", &OutputRing::before_replay)
       .def("hand_out", &OutputRing::hand_out)
       .def_property_readonly("copies", &OutputRing::copies);
