@@ -30,9 +30,11 @@ class Config:
     eagerly, with a warning once per signature."""
 
     outputs: OutputMode = "clone"
-    """"clone": tensors returned are fresh copies the caller owns. "graph": tensors returned are the
-    graph's own output buffers, overwritten by the next call of this step: copy them to keep them.
-    "graph" saves one copy per output per step."""
+    """"clone": tensors returned are the caller's: later calls never change them (small outputs come
+    out of a ring of two slots the graph writes, moved to a copy only if still held when their slot
+    comes round again; see backends/output_ring.py; larger ones are copied per call). "graph": tensors
+    returned are the graph's own output buffers, overwritten by the next call of this step: copy them
+    to keep them."""
 
     backend: Backend = "auto"
     """"auto": CUDA graphs when the step's tensors are on a CUDA device, eager otherwise (one log
