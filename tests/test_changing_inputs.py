@@ -13,6 +13,8 @@ import graphstep
 from cpu_common import batches, make_twins, same_params, sgd_step
 from graphstep.backends.buffers import unloadable
 from graphstep.errors import ChangingArgumentError, TooManyGraphsError, UnsupportedInputError
+from graphstep.guards import fastcheck
+from graphstep.signature import Signature
 
 RECORDING = graphstep.Config(backend="recording", warmup_steps=2)
 
@@ -129,3 +131,35 @@ def test_an_input_that_cannot_be_copied_into_a_buffer_is_named():
         step(expanded)
     text = str(info.value)
     assert text.startswith("argument args[0] (float32[4, 8] on cpu)") and ".contiguous()" in text, text
+
+
+@pytest.mark.skipif(fastcheck.helper() is None, reason="the C++ helper is not built")
+def test_a_call_like_the_last_skips_its_signature_and_any_other_builds_one(monkeypatch):
+    built = []
+    real_of = Signature.of
+    monkeypatch.setattr(Signature, "of", lambda a, k: built.append(1) or real_of(a, k))
+    step = graphstep.capture(lambda x, y: (x * y).sum(), config=graphstep.Config(backend="recording"))
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    for _ in range(6):
+        assert step(x.clone(), y.clone()).item() == 6.0
+    assert len(built) == 1  # the first call; the rest matched it in C++
+    weight = torch.nn.Parameter(torch.ones(3))
+    calls = [  # (args, kwargs, result, signatures built)
+        ((torch.ones(4), torch.ones(4)), {}, 4.0, 1),  # another shape
+        ((torch.ones(4), torch.ones(4)), {}, 4.0, 0),  # like the last
+        ((x, x), {}, 3.0, 1),  # the same tensor twice: not remembered
+        ((x, y), {}, 6.0, 1),
+        ((x,), {"y": y}, 6.0, 1),  # a keyword argument: not remembered
+        ((weight, y), {}, 6.0, 1),  # a tensor subclass never matches
+        ((weight, y), {}, 6.0, 1),
+        ((x, y), {}, 6.0, 1),
+        ((x, y), {}, 6.0, 0),
+    ]
+    for args, kwargs, result, signatures in calls:
+        before = len(built)
+        assert step(*args, **kwargs).item() == result
+        assert len(built) - before == signatures, (args, kwargs)
+    step.reset()  # forgets the last call: the next one builds its signature and warms up again
+    warmups, before = step.stats.warmup_calls, len(built)
+    step(x, y)
+    assert len(built) == before + 1 and step.stats.warmup_calls == warmups + 1

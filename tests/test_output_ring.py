@@ -10,6 +10,7 @@ import graphstep
 from cpu_common import batches, make_twins, sgd_step
 from graphstep.backends import output_ring
 from graphstep.guards import fastcheck
+from graphstep.signature import TensorMeta
 
 pytestmark = pytest.mark.skipif(
     getattr(fastcheck.helper(), "OutputRing", None) is None, reason="the C++ helper is not built"
@@ -116,3 +117,15 @@ def test_large_non_contiguous_or_graph_outputs_get_no_ring(monkeypatch):
     for _ in range(5):
         step(torch.ones(2))
     assert ring_of(step) is None
+
+
+def test_outputs_unlike_the_warm_ups_record_nothing():
+    meta = TensorMeta.of(torch.zeros(3))
+    prepared = output_ring.prepare([meta], "cpu")
+    assert prepared is not None
+    assert output_ring.record(prepared, [torch.zeros(4)], written=False) is None  # another shape
+    assert output_ring.record(prepared, [torch.zeros(3, dtype=torch.float64)], written=False) is None
+    assert not prepared.flag.item(), "nothing was recorded, so nothing flipped the flag"
+    assert output_ring.prepare([TensorMeta.of(torch.zeros(3, dtype=torch.complex64))], "cpu") is None
+    assert output_ring.prepare([TensorMeta.of(torch.zeros(3, requires_grad=True))], "cpu") is None
+    assert output_ring.prepare([meta], "meta") is None  # not the graph's device
