@@ -18,7 +18,6 @@ the median of the round medians. Run on a GPU machine; writes benchmarks/results
 
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import statistics
@@ -28,19 +27,12 @@ from pathlib import Path
 
 import torch
 
-from graphstep.demo.bench_measure import make_method_step
-from graphstep.demo.bench_suites import suites
-from graphstep.demo.bench_workloads import BuildContext
-
 sys.path.insert(0, str(Path(__file__).parent))
 import guard_cost
+import pipelined_host
 
 CALLS = 100
 ROUNDS = 7
-
-
-def build():
-    return suites()["gpt"]["tiny"].build(BuildContext(device=torch.device("cuda"), n_calls=400))
 
 
 def one_round(fn, batches) -> tuple[float, float]:
@@ -107,23 +99,8 @@ def synthetic_graph(nodes: int) -> torch.cuda.CUDAGraph:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    steps, closers = {}, []
-    for name, method, config in (
-        ("graphstep", "graphstep", None),
-        ("graphstep_outputs_graph", "graphstep", {"outputs": "graph"}),
-        ("manual_graph", "manual_graph", None),
-    ):
-        wl = build()
-        step, close, captured = make_method_step(method, wl, config)
-        for i in range(8):
-            step(*wl.batches[i % len(wl.batches)])
-        steps[name] = (step, itertools.cycle(wl.batches), captured)
-        closers.append(close)
+    args = pipelined_host.parse_args(__doc__)
+    steps, closers = pipelined_host.warmed_steps()
     torch.cuda.synchronize()
     manual_graph = steps["manual_graph"][0].graph
     step, batches, _ = steps["graphstep"]

@@ -59,12 +59,9 @@ def round_median_us(step, batches) -> float:
     return statistics.median(times) / 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+def warmed_steps() -> tuple[dict, list]:
+    """The tiny GPT as graphstep, graphstep with `outputs="graph"` and the hand-written graph, each
+    past its capture: {name: (step, batches, CapturedStep or None)}, and what closes them."""
     steps, closers = {}, []
     for name, config in (
         ("graphstep", None),
@@ -77,6 +74,21 @@ def main() -> None:
             step(*wl.batches[i % len(wl.batches)])
         steps[name] = (step, itertools.cycle(wl.batches), captured)
         closers.append(close)
+    return steps, closers
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """`--out`, the results folder, with the script's docstring as help."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="benchmarks/results")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    steps, closers = warmed_steps()
     torch.cuda.synchronize()
     step, batches, _ = steps["graphstep"]
     # Launched by hand below: the step whose outputs are the graph's (an output ring would lose count).

@@ -12,7 +12,6 @@ are medians of round medians. Writes benchmarks/results/<gpu>_<date>_replay-stag
 
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import statistics
@@ -23,26 +22,21 @@ from pathlib import Path
 import torch
 
 from graphstep.demo.bench_measure import make_method_step
-from graphstep.demo.bench_suites import suites
-from graphstep.demo.bench_workloads import BuildContext
 from graphstep.signature import Signature
 
 sys.path.insert(0, str(Path(__file__).parent))
 import guard_cost
+import pipelined_host
 
 CALLS = 100
 ROUNDS = 7
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    wl = suites()["gpt"]["tiny"].build(BuildContext(device=torch.device("cuda"), n_calls=400))
+    args = pipelined_host.parse_args(__doc__)
+    wl = pipelined_host.build()
     step, close, captured = make_method_step("graphstep", wl)
-    manual_wl = suites()["gpt"]["tiny"].build(BuildContext(device=torch.device("cuda"), n_calls=400))
+    manual_wl = pipelined_host.build()
     manual, _, _ = make_method_step("manual_graph", manual_wl)
     batches = itertools.cycle(wl.batches)
     for _ in range(8):
