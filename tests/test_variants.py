@@ -95,22 +95,25 @@ def test_verify_against_a_fresh_capture_catches_a_baked_value_no_guard_sees():
 CHURNING = {"scale": 1.0, "step": 0}
 
 
-def test_a_value_that_changes_every_call_and_costs_a_capture_every_call_is_named_once(caplog):
-    """The loop keeps a counter in a dict the step reads: every call captures another variant and
-    none replays. Results stay right, so nothing else would say it: one warning names the entry."""
+def captured_scaled(scaled):
+    """A recording-backend step whose loss goes through `scaled` (which reads the value under test)."""
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y) * CHURNING["scale"]
+        loss = scaled(torch.nn.functional.mse_loss(model(x), y))
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
-    captured = graphstep.capture(
-        step, model=model, optimizer=opt, config=graphstep.Config(backend="recording")
-    )
+    return graphstep.capture(step, model=model, optimizer=opt, config=graphstep.Config(backend="recording"))
+
+
+def test_a_value_that_changes_every_call_and_costs_a_capture_every_call_is_named_once(caplog):
+    """The loop keeps a counter in a dict the step reads: every call captures another variant and
+    none replays. Results stay right, so nothing else would say it: one warning names the entry."""
+    captured = captured_scaled(lambda loss: loss * CHURNING["scale"])
     data = batches(12)
     with caplog.at_level(logging.WARNING, logger="graphstep"):
         for i, (x, y) in enumerate(data):
@@ -124,20 +127,8 @@ def test_a_value_that_changes_every_call_and_costs_a_capture_every_call_is_named
 
 
 def test_flipping_between_two_values_reuses_variants_and_is_not_named(caplog):
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     flags = {"scale": 1.0}
-
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y) * flags["scale"]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    captured = graphstep.capture(
-        step, model=model, optimizer=opt, config=graphstep.Config(backend="recording")
-    )
+    captured = captured_scaled(lambda loss: loss * flags["scale"])
     with caplog.at_level(logging.WARNING, logger="graphstep"):
         for i, (x, y) in enumerate(batches(16)):
             flags["scale"] = 1.0 if i % 2 else 0.5
