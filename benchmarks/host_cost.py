@@ -104,10 +104,7 @@ def stages(step, args: tuple, n: int, sync, calls_only: bool = False) -> dict:
     _, leaves = Signature.of(args, {})
 
     def bare_launch():
-        if recording.ring is not None:  # each launch writes the next slot of the output ring
-            recording.ring.before_replay()
-        for part in recording.parts:
-            part()
+        recording.launch()
 
     inputs = getattr(life, "inputs", None)
     buffers = inputs.tensors if inputs is not None else life.buffers  # the latter: before buffers.py

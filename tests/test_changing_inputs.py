@@ -131,6 +131,14 @@ def test_an_input_that_cannot_be_copied_into_a_buffer_is_named():
         step(expanded)
     text = str(info.value)
     assert text.startswith("argument args[0] (float32[4, 8] on cpu)") and ".contiguous()" in text, text
+    # Among several inputs (copied by one launch first), the one that cannot be loaded is still named.
+    step = graphstep.capture(
+        lambda x, e: x.sum(0) + e.sum(0), config=graphstep.Config(backend="recording", warmup_steps=1)
+    )
+    step(torch.ones(4, 8), expanded)
+    with pytest.raises(UnsupportedInputError) as info:
+        step(torch.ones(4, 8), expanded)
+    assert str(info.value).startswith("argument args[1] (float32[4, 8] on cpu)"), str(info.value)
 
 
 @pytest.mark.skipif(fastcheck.helper() is None, reason="the C++ helper is not built")

@@ -55,12 +55,19 @@ class PartsRecording:
         self.ring: Any = None
         """The output ring the last part writes (see `output_ring.py`), or None."""
 
+    def launch(self) -> None:
+        """The parts alone, for a step without eager segments: the output ring's turn (the slot the
+        graph writes is taken back from the caller first), then the graph. Code that launches a
+        captured step's graphs by hand (benchmarks) calls this, so that the ring keeps count."""
+        if self.ring is not None:
+            self.ring.before_replay()
+        for part in self.parts:
+            part()
+
     def replay(self, args: tuple, kwargs: dict) -> Any:
         parts = self.parts
         if not self.segments:
-            if self.ring is not None:  # the slot the graph writes is taken back from the caller first
-                self.ring.before_replay()
-            parts[0]()
+            self.launch()
             for p, g in self.grads_after:  # grads the step leaves attached, set to None since
                 p.grad = g
             for draw in self.host_draws:

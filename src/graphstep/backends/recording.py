@@ -5,8 +5,7 @@ baked in at capture. This backend gives CPU tests the same semantics. At capture
 the step under a dispatch mode that records every ATen operation with its arguments, holding
 each tensor through a detached alias (so its *storage* is what is remembered, as a graph
 remembers an address). A replay re-runs exactly those operations on exactly that memory,
-writing fresh results into the recorded output buffers; allocations (`empty`) are not replayed,
-as a graph replays none. Hence the pitfalls of real graphs
+writing fresh results into the recorded output buffers. Hence the pitfalls of real graphs
 show up on a CPU: a parameter whose `.data` was replaced is not updated, a float
 learning rate changed by hand is ignored, and a result read with `.item()` cannot be captured.
 
@@ -71,21 +70,10 @@ class _Recorder(UndoLog):
             )
         self.before(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func in _ALLOCATIONS:  # a graph replays no allocation: the memory keeps what it holds
-            return out
         self.parts[-1].append(
             (func, tree_map(self.alias, args), tree_map(self.alias, kwargs), tree_map(self.alias, out))
         )
         return out
-
-
-_ALLOCATIONS = {
-    torch.ops.aten.empty.memory_format,
-    torch.ops.aten.empty_like.default,
-    torch.ops.aten.empty_strided.default,
-    torch.ops.aten.new_empty.default,
-    torch.ops.aten.new_empty_strided.default,
-}
 
 
 def _replay_ops(ops: list) -> None:
