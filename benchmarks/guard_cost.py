@@ -1,7 +1,7 @@
 """What the guards cost per replay, for a model with 1,000 parameter tensors.
 
 Times `StateGuard.holds()` (the check every replay pays) for each `Config.check` mode, each part
-of it (`StateGuard.breakdown()`: structure epoch, module modes and attributes, reads, optimizers,
+of it (`state_guard.holds_parts()`: structure epoch, module modes and attributes, reads, optimizers,
 grads, requires_grad, data pointers), `holds()` after a module attribute was written with an equal
 value (the barrier marks it; one attribute is compared), and on a GPU the host time of a whole
 replay call. Then the same step reading numbers inside containers (`contents.py`): none, 100 dict
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import graphstep
+from graphstep.guards.state_guard import holds_parts
 
 N_LAYERS = 500  # Linear(16, 16) with bias: 2 tensors each -> 1,000 parameter tensors
 
@@ -135,8 +136,8 @@ def measure(check: str, device: str, n: int) -> dict:
     row = {"check": check, "parameter_tensors": sum(1 for _ in model.parameters())}
     row["tracked_tensors"] = len(guard.tensors) if guard is not None else 0  # pointer-checked
     row["guard_us"] = round(median_us(guard.holds, n), 2) if guard is not None else 0.0
-    if guard is not None and hasattr(guard, "breakdown"):
-        row["parts_us"] = {name: round(median_us(part, n), 2) for name, part in guard.breakdown().items()}
+    if guard is not None:
+        row["parts_us"] = {name: round(median_us(part, n), 2) for name, part in holds_parts(guard).items()}
 
         # A write of an equal value in another object (a schedule recomputing Dropout.p, say) marks
         # the module dirty: the next holds() compares that one attribute, then adopts the write.

@@ -61,7 +61,12 @@ MEASUREMENT = {
     "with one synchronisation at the end, per launch: pipelined_ms without graphstep's host work and input "
     "copies. pipelined_ms / graph_floor_ms near 1 means graphstep's host side costs the GPU nothing.",
     "host_us": "median over the pipelined calls of the host time of one call (until it returns, GPU work "
-    "not awaited), in microseconds.",
+    "not awaited), in microseconds. In a GPU-bound loop the launch queue fills after some tens of calls and "
+    "every later call waits about one step's GPU time: when more than half the calls wait, this is the GPU's "
+    "time, not the host's (see host_burst_us).",
+    "host_burst_us": "median host time of one call over `bursts` runs of `burst_calls` calls in a row, each "
+    "run after a synchronisation: as in the pipelined loop, but too few calls for the GPU's launch queue to "
+    "fill, so no call waits for earlier steps. The host's own time per call.",
     "graphstep_host_us": "graphstep rows: its own StepStats.replay_s / replays over the pipelined calls, "
     "in microseconds: graphstep's host time per replayed call.",
     "peak_reserved_gib": "torch.cuda.max_memory_reserved() after the pipelined calls (before profiling), in a "
@@ -84,16 +89,26 @@ class Counts:
     timed_steps: int = 30
     pipelined_calls: int = 100
     profiled_steps: int = 3
+    bursts: int = 3
+    burst_calls: int = 16
+    """Calls in a row for host_burst_us: on an H100 the tiny GPT's queue holds about 57 calls."""
 
     @property
     def total(self) -> int:
-        return self.warmup_calls + self.timed_steps + self.pipelined_calls + self.profiled_steps
+        return (
+            self.warmup_calls
+            + self.timed_steps
+            + self.pipelined_calls
+            + self.bursts * self.burst_calls
+            + self.profiled_steps
+        )
 
 
 def new_row(suite: str, config: str, method: str) -> dict[str, Any]:
     return dict(
         suite=suite, config=config, method=method, phase="start", error=None, skipped=None, parameters=None,
         step_ms=None, pipelined_ms=None, kernel_ms=None, pipelined_over_kernel=None, host_us=None,
+        host_burst_us=None,
         ratio_to_graphstep=None, pipelined_ratio_to_graphstep=None, peak_reserved_gib=None,
         peak_allocated_gib=None, capture_s=None, final_loss=None, graphstep=None, details=None,
     )  # fmt: skip
@@ -214,6 +229,20 @@ def _run_phases(
     if cuda:
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+
+    if counts.bursts and counts.burst_calls:
+        phase("bursts")
+        burst_s = []
+        for _ in range(counts.bursts):
+            _sync(dev)
+            for _ in range(counts.burst_calls):
+                args = next(batch)
+                h0 = time.perf_counter()
+                step(*args)
+                burst_s.append(time.perf_counter() - h0)
+                workload.after_call()
+        _sync(dev)
+        row["host_burst_us"] = statistics.median(burst_s) * 1e6
 
     if cuda and counts.profiled_steps:
         phase("profile")

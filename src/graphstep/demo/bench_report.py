@@ -124,14 +124,15 @@ def _gs(r: dict[str, Any]) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| config | method | step ms | pipelined ms | kernel ms | pipelined / kernel | × graphstep | host µs/call "
-        "| peak reserved GiB | to steady state s | graphstep captures / variants / replays, host µs/replay | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "pipelined | host µs/call in bursts | peak reserved GiB | to steady state s "
+        "| graphstep captures / variants / replays, host µs/replay | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['method']} | {_fmt(r.get('step_ms'))} | {_fmt(r.get('pipelined_ms'))} | "
             f"{_fmt(r.get('kernel_ms'))} | {_fmt(r.get('pipelined_over_kernel'))} | "
-            f"{_fmt(r.get('ratio_to_graphstep'))} | {_fmt(r.get('host_us'), 0)} | "
+            f"{_fmt(r.get('ratio_to_graphstep'))} | {_fmt(r.get('host_us'), 0)} | {_fmt(r.get('host_burst_us'), 0)} | "
             f"{_fmt(r.get('peak_reserved_gib'))} | {_fmt(r.get('capture_s'), 1)} | {_gs(r)} | {_note(r)} |"
         )
     return "\n".join(lines)
@@ -198,16 +199,26 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
             parts.append(
                 f"graphstep (model not compiled) / whole step compiled {_fmt(_div(g.get('pipelined_ms'), best_cs))}"
             )
-        host, hand = g.get("host_us"), by.get((config, "manual_graph"), {}).get("host_us")
-        if host is not None and hand is not None:  # issue 24: at most 15 µs over the hand-written loop
-            over = host - hand
-            parts.append(
-                f"graphstep host µs per call over the hand-written graph's (pipelined, medians) "
-                f"{over:+.0f} = {host:.0f} − {hand:.0f} (≤ 15{' ✓' if over <= 15 else ' ✗'})"
-            )
-        else:
-            parts.append(f"graphstep host µs per call (pipelined, median) {_fmt(host, 0)}")
+        parts += _host_targets(g, by.get((config, "manual_graph"), {}))
         out.append(f"- **{config}**: " + "; ".join(parts) + ".")
+    return out
+
+
+def _host_targets(g: dict[str, Any], hand: dict[str, Any]) -> list[str]:
+    """Issue 24: graphstep's host time per call at most 15 µs over the hand-written graph's, in bursts
+    (the host's own time) and as the pipelined median (the GPU's time once most calls wait for a
+    full launch queue: it says which of the two a run measured)."""
+    out = []
+    for key, how in (("host_burst_us", "in bursts"), ("host_us", "pipelined")):
+        mine, theirs = g.get(key), hand.get(key)
+        if mine is not None and theirs is not None:
+            over = mine - theirs
+            out.append(
+                f"graphstep host µs per call over the hand-written graph's ({how}, medians) "
+                f"{over:+.0f} = {mine:.0f} − {theirs:.0f} (≤ 15{' ✓' if over <= 15 else ' ✗'})"
+            )
+        elif mine is not None:
+            out.append(f"graphstep host µs per call ({how}, median) {mine:.0f}")
     return out
 
 
@@ -231,7 +242,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{isolation} Methods ran in this order (it decides whose compilation warms inductor's cache): "
         f"{', '.join(meta.get('order') or [])}. Command: `{meta.get('command', '')}`.",
         f"Per method: {counts.get('warmup_calls')} warm-up calls, the timed steps of its config (below), "
-        f"{counts.get('pipelined_calls')} pipelined calls, {counts.get('profiled_steps')} profiled steps.",
+        f"{counts.get('pipelined_calls')} pipelined calls, {counts.get('bursts', 0)} bursts of "
+        f"{counts.get('burst_calls', 0)} calls, {counts.get('profiled_steps')} profiled steps.",
         markdown_table(rows),
         "## Targets (issues 13 and 24)",
         "\n".join(targets(rows)) or "(no rows)",

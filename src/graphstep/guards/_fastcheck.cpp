@@ -263,6 +263,135 @@ class DictWatch {
 
 void mark_changed(DictWatch* watch) { watch->set_changed(); }
 
+// The identity pass of a guard's common replay (see fastcheck.identity_check): every binding,
+// attribute, container item and dict entry a guard compares is still the object it saw, and the
+// guard's own checks (calls) answer as when it held. Any difference answers false and the caller
+// takes its Python path, which tells a real change from an equal value rebound: this pass only
+// spares the Python loops when nothing changed.
+class IdentityCheck {
+ public:
+  enum Kind : int { kItem = 0, kCell, kAttr, kItems, kDict, kTrue, kFalse, kLen };
+
+  IdentityCheck(const py::list& entries, const py::object& missing) : keep_(entries), missing_(missing) {
+    for (const auto& h : entries) {
+      auto t = h.cast<py::tuple>();
+      if (t.size() != 4) throw py::value_error("identity entries are (kind, a, b, c)");
+      Entry e{static_cast<Kind>(t[0].cast<int>()), t[1].ptr(), t[2].ptr(), t[3].ptr(), 0};
+      if (e.kind < kItem || e.kind > kLen) throw py::value_error("unknown identity entry kind");
+      if (e.kind == kItem || e.kind == kDict) {
+        if (!PyDict_Check(e.a)) throw py::type_error("an item or dict entry needs a dict");
+      }
+      if (e.kind == kCell && !PyCell_Check(e.a)) throw py::type_error("a cell entry needs a cell");
+      if ((e.kind == kItems || e.kind == kDict) && !PyTuple_Check(e.b)) {
+        throw py::type_error("expected items must be a tuple");
+      }
+      if (e.kind == kDict && (!PyTuple_Check(e.c) || PyTuple_GET_SIZE(e.b) != PyTuple_GET_SIZE(e.c))) {
+        throw py::type_error("a dict entry needs keys and values of one length");
+      }
+      if (e.kind == kLen) e.n = t[2].cast<Py_ssize_t>();
+      entries_.push_back(e);
+    }
+  }
+
+  bool holds() const {
+    for (const Entry& e : entries_) {
+      if (!entry_holds(e)) {
+        if (PyErr_Occurred()) PyErr_Clear();  // the Python path meets it again and reports it
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  struct Entry {
+    Kind kind;
+    PyObject* a;  // borrowed: keep_ holds every tuple
+    PyObject* b;
+    PyObject* c;
+    Py_ssize_t n;
+  };
+
+  bool entry_holds(const Entry& e) const {
+    switch (e.kind) {
+      case kItem: {
+        PyObject* now = PyDict_GetItemWithError(e.a, e.b);
+        if (now == nullptr && PyErr_Occurred()) return false;
+        return (now != nullptr ? now : missing_.ptr()) == e.c;
+      }
+      case kCell: {
+        PyObject* now = PyCell_GET(e.a);
+        return now != nullptr && now == e.b;
+      }
+      case kAttr: {
+        PyObject* now = PyObject_GetAttr(e.a, e.b);
+        if (now == nullptr) {
+          if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return false;
+          PyErr_Clear();
+          return missing_.ptr() == e.c;
+        }
+        const bool same = now == e.c;
+        Py_DECREF(now);
+        return same;
+      }
+      case kItems:
+        return items_hold(e.a, e.b);
+      case kDict:
+        return dict_holds(e.a, e.b, e.c);
+      case kTrue:
+      case kFalse: {
+        PyObject* answer = PyObject_CallNoArgs(e.a);
+        if (answer == nullptr) return false;
+        const bool same = answer == (e.kind == kTrue ? Py_True : Py_False);
+        Py_DECREF(answer);
+        return same;
+      }
+      case kLen:
+        return PyObject_Length(e.a) == e.n;
+    }
+    return false;
+  }
+
+  // A list, deque or set: the same objects in the same order.
+  static bool items_hold(PyObject* container, PyObject* expected) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(expected);
+    if (PyList_CheckExact(container)) {
+      if (PyList_GET_SIZE(container) != n) return false;
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (PyList_GET_ITEM(container, i) != PyTuple_GET_ITEM(expected, i)) return false;
+      }
+      return true;
+    }
+    if (PyObject_Length(container) != n) return false;
+    PyObject* it = PyObject_GetIter(container);
+    if (it == nullptr) return false;
+    bool same = true;
+    for (Py_ssize_t i = 0; same && i < n; ++i) {
+      PyObject* item = PyIter_Next(it);
+      same = item != nullptr && item == PyTuple_GET_ITEM(expected, i);
+      Py_XDECREF(item);
+    }
+    Py_DECREF(it);
+    return same && !PyErr_Occurred();
+  }
+
+  // A dict guarded whole: the same keys, in the same order, holding the same objects.
+  static bool dict_holds(PyObject* d, PyObject* keys, PyObject* values) {
+    if (PyDict_Size(d) != PyTuple_GET_SIZE(keys)) return false;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+      if (key != PyTuple_GET_ITEM(keys, i) || value != PyTuple_GET_ITEM(values, i)) return false;
+      ++i;
+    }
+    return true;
+  }
+
+  py::list keep_;
+  py::object missing_;
+  std::vector<Entry> entries_;
+};
+
 #ifndef GRAPHSTEP_DICTS_ONLY
 // The tensor arguments of the last call a captured step dispatched: whether a call's positional
 // arguments are tensors of the same class (exactly), shapes, strides, dtypes, devices and
@@ -414,6 +543,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("watch", &DictWatch::watch_dict)
       .def("changed", &DictWatch::changed)
       .def("clear", &DictWatch::clear);
+  py::class_<IdentityCheck>(m, "IdentityCheck")
+      .def(py::init<const py::list&, const py::object&>())
+      .def("holds", &IdentityCheck::holds);
   py::class_<StateCheck>(m, "StateCheck")
       .def(py::init<const py::list&>())
       .def("holds", &StateCheck::holds)

@@ -33,6 +33,7 @@ wholesale, and `OrderedDict.move_to_end` (an order change without a dict event) 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import types
@@ -170,6 +171,32 @@ class Contents:
         self._ids = {id(r.value) for r in self.roots}
         self._index()
         return True
+
+    def identities(self) -> list | None:
+        """`holds()`'s common case as `fastcheck` entries: every root and container item still the
+        object seen and no watched dict changed (None: a part only the Python loop reads right)."""
+        out: list = []
+        for root, ns, name in self.bound:
+            if type(ns) is not dict:
+                return None
+            out.append((fastcheck.ITEM, ns, name, root.value))
+        out += [(fastcheck.CELL, cell, root.value, None) for root, cell in self.cells]
+        for _, d, keys, values in self.dicts:
+            if type(d) is not dict:  # an OrderedDict's order is its own, not the dict's
+                return None
+            out.append((fastcheck.DICT, d, keys, values))
+        for _, get, keys, values in self.subsets:
+            owner = getattr(get, "__self__", None)
+            if type(owner) is dict and get == owner.get:
+                out += [(fastcheck.ITEM, owner, k, v) for k, v in zip(keys, values)]
+            elif isinstance(get, functools.partial) and get.func is getattr and len(get.args) == 1:
+                out += [(fastcheck.ATTR, get.args[0], k, v) for k, v in zip(keys, values)]
+            else:
+                return None
+        out += [(fastcheck.ITEMS, c, items, None) for _, c, items in self.seqs]
+        if self.watch is not None:
+            out.append((fastcheck.FALSE, self.watch.changed, None, None))
+        return out
 
     # -- the slow path ----------------------------------------------------------------------------
 

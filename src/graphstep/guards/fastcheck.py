@@ -89,3 +89,23 @@ def _if_same_torch(module: Any) -> Any:
         )
         return None
     return module
+
+
+# The kinds of an `IdentityCheck` entry `(kind, a, b, c)`:
+ITEM = 0  # (ITEM, dict, key, expected): dict.get(key, missing) is expected
+CELL = 1  # (CELL, cell, expected, None)
+ATTR = 2  # (ATTR, obj, name, expected): getattr(obj, name, missing) is expected
+ITEMS = 3  # (ITEMS, container, expected tuple, None): the same objects in the same order
+DICT = 4  # (DICT, dict, keys tuple, values tuple): the same keys, in order, holding the same objects
+TRUE = 5  # (TRUE, callable, None, None): callable() is True
+FALSE = 6  # (FALSE, callable, None, None): callable() is False
+LEN = 7  # (LEN, container, n, None): len(container) == n
+
+
+def identity_check(entries: list | None, missing: Any) -> Any:
+    """One C++ pass over `entries` (see the kinds above) answering whether all of them still hold,
+    or None without the helper or without entries (a guard part with no identity form)."""
+    check = getattr(helper(), "IdentityCheck", None)
+    if check is None or entries is None:
+        return None
+    return check(entries, missing)

@@ -9,7 +9,7 @@ import logging
 import operator
 from typing import Any
 
-from . import contents
+from . import contents, fastcheck
 from .barriers import MISSING, cell_value, change, is_simple
 from .reads import Reads
 
@@ -115,6 +115,19 @@ class ReadGuard:
             ):  # the common replay: every binding is the object seen
                 return not self.contents.roots or self.contents.holds()
         return self._holds_by_value()
+
+    def identities(self) -> list | None:
+        """`holds()`'s identity pass as `fastcheck` entries (None: a namespace that is not a plain
+        dict, or contents only the Python loop reads)."""
+        if self._namespaces is None:
+            return None
+        n = len(self._names)
+        out = [
+            (fastcheck.ITEM, ns, name, v) for ns, name, v in zip(self._namespaces, self._names, self._values)
+        ]
+        out += [(fastcheck.CELL, cell, v, None) for cell, v in zip(self._cells, self._values[n:])]
+        contents = self.contents.identities() if self.contents.roots else []
+        return None if contents is None else out + contents
 
     def _holds_by_value(self) -> bool:
         """The per-binding loop: a simple value rebound to an equal one (`LR = 1e-3` again) holds,

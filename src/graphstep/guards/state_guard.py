@@ -23,8 +23,10 @@ Cost per replay: module modes and attributes through a write barrier (free unles
 module was written), one pass over the tensors' data pointers and the parameters' `requires_grad`
 (in C++ when the helper of `fastcheck.py` is built: ~10 us instead of ~120 us for 1,000
 parameters), an identity test per optimizer group value (see `optimizer.py`) and a few reads per
-global the step read. Names and
-reasons are only worked out once something changed (`changes()`, a list of `Change`).
+global the step read. With the helper, a replay after no change checks all of it in one C++ pass
+(`fastcheck.identity_check`: every object still the one seen; ~2 us for the tiny GPT on a CPU where
+the Python loops take ~4). Names and reasons are only worked out once something changed (`changes()`,
+a list of `Change`).
 Strong references are held, so memory a graph uses can never be freed under it.
 """
 
@@ -48,6 +50,7 @@ from .reads import Reads
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")
+_MAX_IDENTITY_BUILDS = 3
 _get_requires_grad = operator.attrgetter("requires_grad")
 _ptrs_equal_in_cpp = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
@@ -240,13 +243,33 @@ class StateGuard:
         self.roots = [root for _, root in roots]
         self.module_ids = self._module_ids()
         self.state = state
+        self._identity: Any = None
+        self._identity_builds = 0
 
     # -- the check on every replay ---------------------------------------------------------
 
     def holds(self) -> bool:
         """True when a replay would do what eager would. Cheap; no messages. Grads the user set to
         None between calls are re-attached (zeroed) here rather than reported, last, once all else
-        holds: probing the guard of a graph that does not fit has no side effect."""
+        holds: probing the guard of a graph that does not fit has no side effect.
+
+        The common replay, where every object the guard compares is the one it saw, is one C++
+        pass (`identity_check`); anything else takes the Python path, which adopts equal values.
+        After it held, the pass is made again over the objects now seen, unless that happened
+        `_MAX_IDENTITY_BUILDS` times in a row (a loop that rebinds an equal value every call)."""
+        identity = self._identity
+        if identity is not None and identity.holds():
+            self._identity_builds = 0
+            return True
+        held = self._holds()
+        if held and self._identity_builds < _MAX_IDENTITY_BUILDS:
+            self._identity_builds += 1
+            self._identity = fastcheck.identity_check(identities(self), barriers.MISSING)
+        elif self._identity_builds >= _MAX_IDENTITY_BUILDS:
+            self._identity = None
+        return held
+
+    def _holds(self) -> bool:
         if self.epoch != barriers.structure_epoch:
             return False
         if not self.modules.holds() or not self.reads.holds() or not self.optimizers.holds():
@@ -272,28 +295,6 @@ class StateGuard:
         if not all(map(_get_requires_grad, self.requires_grad)) or any(map(_get_requires_grad, self.frozen)):
             return False
         return not self.tensors or _same_data_ptrs(self.tensors, self.ptrs, self.indices)
-
-    def breakdown(self) -> dict[str, Callable[[], Any]]:
-        """The parts of `holds()`, one callable each, to time them (benchmarks/guard_cost.py).
-        Keep in step with `holds()`."""
-        parts = {
-            "structure_epoch": lambda: self.epoch == barriers.structure_epoch,
-            "modules_modes_attributes": self.modules.holds,
-            "reads": self.reads.holds,
-            "optimizers": self.optimizers.holds,
-            "grads": lambda: (
-                all(map(operator.is_, map(_get_grad, self.grad_params), self.grads))
-                and not any(g is not None for g in map(_get_grad, self.fresh_grad_params))
-            ),
-            "requires_grad": lambda: (
-                all(map(_get_requires_grad, self.requires_grad))
-                and not any(map(_get_requires_grad, self.frozen))
-            ),
-            "pointers": lambda: _same_data_ptrs(self.tensors, self.ptrs, self.indices),
-        }
-        if self.fast is not None:
-            parts["pointers_and_requires_grad_cpp"] = self.fast.holds
-        return parts
 
     def _restore_cleared_grads(self) -> bool:
         """Grads set to None between calls (`zero_grad()` outside the step): eager would start
@@ -379,6 +380,50 @@ class StateGuard:
                     )
                 )
         return found
+
+
+def identities(guard: StateGuard) -> list | None:
+    """`guard._holds()`'s common case as `fastcheck` entries (None: a part only Python checks)."""
+    if guard.wrapped or guard.strict:
+        return None
+    reads = guard.reads.identities()
+    if reads is None:
+        return None
+    tensors = guard.fast.holds if guard.fast is not None else guard._tensors_hold
+    return [
+        (fastcheck.ITEM, vars(barriers), "structure_epoch", guard.epoch),
+        (fastcheck.TRUE, guard.modules.holds, None, None),
+        *reads,
+        (fastcheck.TRUE, guard.optimizers.holds, None, None),
+        *[(fastcheck.ATTR, p, "grad", None) for p in guard.fresh_grad_params],
+        (fastcheck.TRUE, tensors, None, None),
+        *[(fastcheck.ATTR, p, "grad", g) for p, g in zip(guard.grad_params, guard.grads)],
+    ]
+
+
+def holds_parts(guard: StateGuard) -> dict[str, Callable[[], Any]]:
+    """The parts of `guard.holds()`, one callable each, to time them (benchmarks/guard_cost.py).
+    Keep in step with `holds()`."""
+    parts = {
+        "structure_epoch": lambda: guard.epoch == barriers.structure_epoch,
+        "modules_modes_attributes": guard.modules.holds,
+        "reads": guard.reads.holds,
+        "optimizers": guard.optimizers.holds,
+        "grads": lambda: (
+            all(map(operator.is_, map(_get_grad, guard.grad_params), guard.grads))
+            and not any(g is not None for g in map(_get_grad, guard.fresh_grad_params))
+        ),
+        "requires_grad": lambda: (
+            all(map(_get_requires_grad, guard.requires_grad))
+            and not any(map(_get_requires_grad, guard.frozen))
+        ),
+        "pointers": lambda: _same_data_ptrs(guard.tensors, guard.ptrs, guard.indices),
+    }
+    if guard.fast is not None:
+        parts["pointers_and_requires_grad_cpp"] = guard.fast.holds
+    if guard._identity is not None:  # all of the above in one pass, as a replay after no change runs them
+        parts["identity_pass_cpp"] = guard._identity.holds
+    return parts
 
 
 def _named(prefix: str, root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
