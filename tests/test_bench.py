@@ -363,6 +363,22 @@ def test_merged_runs_say_where_rows_ran_and_compare_the_compiled_step_like_for_l
     )
 
 
+def test_host_target_has_no_verdict_where_every_call_waits_for_the_gpu():
+    """A large model's calls wait for the GPU in both loops (GPT-2 small: ~29.6 ms of host per call for
+    29.3 ms of kernels): their difference is not host time, and is shown without ✓ or ✗."""
+    rows = [
+        dict(config="big", method="graphstep", host_us=29640.0, host_burst_us=29650.0, kernel_ms=29.33),
+        dict(config="big", method="manual_graph", host_us=29625.0, host_burst_us=29616.0, kernel_ms=29.33),
+        dict(config="small", method="graphstep", host_us=60.0, host_burst_us=49.0, kernel_ms=0.8),
+        dict(config="small", method="manual_graph", host_us=49.0, host_burst_us=43.0, kernel_ms=0.79),
+    ]
+    big, small = bench_report.targets(rows)
+    assert "(in bursts, medians) +34 = 29650 − 29616 (calls wait for the GPU: no host-time verdict)" in big
+    assert "✓" not in big.split("host µs")[-1] and "✗" not in big.split("host µs")[-1]
+    assert "(in bursts, medians) +6 = 49 − 43 (≤ 15 ✓)" in small
+    assert "(pipelined, medians) +11 = 60 − 49 (≤ 15 ✓)" in small
+
+
 @pytest.mark.parametrize(
     ("name", "slug"),
     [
