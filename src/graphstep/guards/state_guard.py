@@ -50,9 +50,10 @@ from .reads import Reads
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")
-_MAX_IDENTITY_BUILDS = 3
 _get_requires_grad = operator.attrgetter("requires_grad")
 _ptrs_equal_in_cpp = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+_MAX_IDENTITY_BUILDS = 3
+"""Identity passes built in a row, each after the Python path held, before a guard stops building them."""
 
 
 def _same_data_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
@@ -384,19 +385,18 @@ class StateGuard:
 
 def identities(guard: StateGuard) -> list | None:
     """`guard._holds()`'s common case as `fastcheck` entries (None: a part only Python checks)."""
-    if guard.wrapped or guard.strict:
-        return None
+    if guard.wrapped or guard.strict or guard.fast is None:
+        return None  # (a pass holding `guard._tensors_hold` would keep the guard alive in a cycle)
     reads = guard.reads.identities()
     if reads is None:
         return None
-    tensors = guard.fast.holds if guard.fast is not None else guard._tensors_hold
     return [
         (fastcheck.ITEM, vars(barriers), "structure_epoch", guard.epoch),
         (fastcheck.TRUE, guard.modules.holds, None, None),
         *reads,
         (fastcheck.TRUE, guard.optimizers.holds, None, None),
         *[(fastcheck.ATTR, p, "grad", None) for p in guard.fresh_grad_params],
-        (fastcheck.TRUE, tensors, None, None),
+        (fastcheck.TRUE, guard.fast.holds, None, None),
         *[(fastcheck.ATTR, p, "grad", g) for p, g in zip(guard.grad_params, guard.grads)],
     ]
 
