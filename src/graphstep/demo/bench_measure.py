@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,15 +209,9 @@ def _run_phases(
 
     phase("pipelined")
     before = captured.stats if captured is not None else None
-    host_s = []
     _sync(dev)
     t0 = time.perf_counter()
-    for _ in range(counts.pipelined_calls):
-        args = next(batch)
-        h0 = time.perf_counter()
-        step(*args)
-        host_s.append(time.perf_counter() - h0)
-        workload.after_call()
+    host_s = _calls_in_a_row(step, batch, workload, counts.pipelined_calls)
     _sync(dev)
     if counts.pipelined_calls:
         row["pipelined_ms"] = (time.perf_counter() - t0) / counts.pipelined_calls * 1e3
@@ -235,12 +229,7 @@ def _run_phases(
         burst_s = []
         for _ in range(counts.bursts):
             _sync(dev)
-            for _ in range(counts.burst_calls):
-                args = next(batch)
-                h0 = time.perf_counter()
-                step(*args)
-                burst_s.append(time.perf_counter() - h0)
-                workload.after_call()
+            burst_s += _calls_in_a_row(step, batch, workload, counts.burst_calls)
         _sync(dev)
         row["host_burst_us"] = statistics.median(burst_s) * 1e6
 
@@ -254,6 +243,19 @@ def _run_phases(
         row["final_loss"] = final_loss
     elif final_loss is not None:  # JSON has no NaN: the value goes into the error
         row["error"] = f"non-finite loss {final_loss} after {counts.warmup_calls + counts.timed_steps} steps"
+
+
+def _calls_in_a_row(step: StepFn, batch: Iterator[tuple], workload: Workload, calls: int) -> list[float]:
+    """The host time of each of `calls` calls made one after another, in seconds: until the call
+    returns, with no synchronisation between calls (the loader's and scheduler's work left out)."""
+    host_s = []
+    for _ in range(calls):
+        args = next(batch)
+        h0 = time.perf_counter()
+        step(*args)
+        host_s.append(time.perf_counter() - h0)
+        workload.after_call()
+    return host_s
 
 
 def graph_floor_ms(captured: Any, calls: int) -> float | None:
