@@ -270,14 +270,14 @@ void mark_changed(DictWatch* watch) { watch->set_changed(); }
 // spares the Python loops when nothing changed.
 class IdentityCheck {
  public:
-  enum Kind : int { kItem = 0, kCell, kAttr, kItems, kDict, kTrue, kFalse, kLen };
+  enum Kind : int { kItem = 0, kCell, kAttr, kItems, kDict, kTrue, kFalse };
 
   IdentityCheck(const py::list& entries, const py::object& missing) : keep_(entries), missing_(missing) {
     for (const auto& h : entries) {
       auto t = h.cast<py::tuple>();
       if (t.size() != 4) throw py::value_error("identity entries are (kind, a, b, c)");
-      Entry e{static_cast<Kind>(t[0].cast<int>()), t[1].ptr(), t[2].ptr(), t[3].ptr(), 0};
-      if (e.kind < kItem || e.kind > kLen) throw py::value_error("unknown identity entry kind");
+      Entry e{static_cast<Kind>(t[0].cast<int>()), t[1].ptr(), t[2].ptr(), t[3].ptr()};
+      if (e.kind < kItem || e.kind > kFalse) throw py::value_error("unknown identity entry kind");
       if (e.kind == kItem || e.kind == kDict) {
         if (!PyDict_Check(e.a)) throw py::type_error("an item or dict entry needs a dict");
       }
@@ -288,7 +288,6 @@ class IdentityCheck {
       if (e.kind == kDict && (!PyTuple_Check(e.c) || PyTuple_GET_SIZE(e.b) != PyTuple_GET_SIZE(e.c))) {
         throw py::type_error("a dict entry needs keys and values of one length");
       }
-      if (e.kind == kLen) e.n = t[2].cast<Py_ssize_t>();
       entries_.push_back(e);
     }
   }
@@ -309,7 +308,6 @@ class IdentityCheck {
     PyObject* a;  // borrowed: keep_ holds every tuple
     PyObject* b;
     PyObject* c;
-    Py_ssize_t n;
   };
 
   bool entry_holds(const Entry& e) const {
@@ -346,8 +344,6 @@ class IdentityCheck {
         Py_DECREF(answer);
         return same;
       }
-      case kLen:
-        return PyObject_Length(e.a) == e.n;
     }
     return false;
   }

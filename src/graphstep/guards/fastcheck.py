@@ -99,7 +99,6 @@ ITEMS = 3  # (ITEMS, container, expected tuple, None): the same objects in the s
 DICT = 4  # (DICT, dict, keys tuple, values tuple): the same keys, in order, holding the same objects
 TRUE = 5  # (TRUE, callable, None, None): callable() is True
 FALSE = 6  # (FALSE, callable, None, None): callable() is False
-LEN = 7  # (LEN, container, n, None): len(container) == n
 
 
 def identity_check(entries: list | None, missing: Any) -> Any:

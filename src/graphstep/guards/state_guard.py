@@ -24,8 +24,8 @@ module was written), one pass over the tensors' data pointers and the parameters
 (in C++ when the helper of `fastcheck.py` is built: ~10 us instead of ~120 us for 1,000
 parameters), an identity test per optimizer group value (see `optimizer.py`) and a few reads per
 global the step read. With the helper, a replay after no change checks all of it in one C++ pass
-(`fastcheck.identity_check`: every object still the one seen; ~2 us for the tiny GPT on a CPU where
-the Python loops take ~4). Names and reasons are only worked out once something changed (`changes()`,
+(`fastcheck.identity_check`: every object still the one seen; a replay's plan and guards take 3.9 us
+instead of 7.5 for the tiny GPT on a 2-core CPU, benchmarks/results/cpu_2026-11-25_host-cost_*). Names and reasons are only worked out once something changed (`changes()`,
 a list of `Change`).
 Strong references are held, so memory a graph uses can never be freed under it.
 """
