@@ -25,13 +25,12 @@ import gc
 import itertools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import graphstep
-from graphstep.demo.bench_measure import make_method_step
+from graphstep.demo.bench_measure import calls_in_a_row, make_method_step
 from graphstep.demo.bench_suites import suites
 from graphstep.demo.bench_workloads import BuildContext
 from graphstep.signature import Signature
@@ -49,14 +48,9 @@ def build():
 
 def round_median_us(step, batches) -> float:
     torch.cuda.synchronize()
-    times = []
-    for _ in range(CALLS):
-        args = next(batches)
-        t0 = time.perf_counter_ns()
-        step(*args)
-        times.append(time.perf_counter_ns() - t0)
+    times = calls_in_a_row(step, batches, CALLS)
     torch.cuda.synchronize()
-    return statistics.median(times) / 1e3
+    return statistics.median(times) * 1e6
 
 
 def warmed_steps() -> tuple[dict, list]:

@@ -211,7 +211,7 @@ def _run_phases(
     before = captured.stats if captured is not None else None
     _sync(dev)
     t0 = time.perf_counter()
-    host_s = _calls_in_a_row(step, batch, workload, counts.pipelined_calls)
+    host_s = calls_in_a_row(step, batch, counts.pipelined_calls, workload.after_call)
     _sync(dev)
     if counts.pipelined_calls:
         row["pipelined_ms"] = (time.perf_counter() - t0) / counts.pipelined_calls * 1e3
@@ -229,7 +229,7 @@ def _run_phases(
         burst_s = []
         for _ in range(counts.bursts):
             _sync(dev)
-            burst_s += _calls_in_a_row(step, batch, workload, counts.burst_calls)
+            burst_s += calls_in_a_row(step, batch, counts.burst_calls, workload.after_call)
         _sync(dev)
         row["host_burst_us"] = statistics.median(burst_s) * 1e6
 
@@ -245,16 +245,19 @@ def _run_phases(
         row["error"] = f"non-finite loss {final_loss} after {counts.warmup_calls + counts.timed_steps} steps"
 
 
-def _calls_in_a_row(step: StepFn, batch: Iterator[tuple], workload: Workload, calls: int) -> list[float]:
+def calls_in_a_row(
+    step: StepFn, batch: Iterator[tuple], calls: int, after_call: Callable[[], None] = lambda: None
+) -> list[float]:
     """The host time of each of `calls` calls made one after another, in seconds: until the call
-    returns, with no synchronisation between calls (the loader's and scheduler's work left out)."""
+    returns, with no synchronisation between calls (the loader's work and `after_call`, a scheduler's
+    step, left out)."""
     host_s = []
     for _ in range(calls):
         args = next(batch)
         h0 = time.perf_counter()
         step(*args)
         host_s.append(time.perf_counter() - h0)
-        workload.after_call()
+        after_call()
     return host_s
 
 
