@@ -221,6 +221,7 @@ class Lifecycle:
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
             segments.optimizer_steps_as_segments(ctx.modes.eager),
+            ctx.modes.observing(ctx.state.optimizers),
             library_segments.calls_as_segments(ctx.name, capturing=False),
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())

@@ -71,7 +71,12 @@ class StepContext:
         if distributed.prepare_ddp(state.modules):
             warmups = max(warmups, distributed.DDP_WARMUP_STEPS)
         # The eager backend runs every optimizer step eagerly already: nothing moves to a segment.
-        modes = OptimizerModes(optim, config.optimizer_mode if backend.static_buffers else "graph", name)
+        modes = OptimizerModes(
+            optim,
+            config.optimizer_mode if backend.static_buffers else "graph",
+            name,
+            host_tensors=bool(backend.cuda_devices),
+        )
         if backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
             optim.prepare(getattr(backend, "device", "cpu"))
             if config.optimizer_mode == "eager":

@@ -2,25 +2,27 @@
 
 An optimizer moves to an eager segment, once and for good, when its step would differ from what a
 graph bakes: `Config(optimizer_mode="eager")` from the start; in `"auto"`, before a capture when its
-step reads the host every call, its state holds Python numbers or a scheduler will change a value
-it bakes, and after a capture when such a baked value changed. Graphs captured before a move are
+step reads the host every call, its step changed Python values in warm-up or a scheduler will change
+a value it bakes, and after a capture when such a baked value changed. Graphs captured before a move are
 out of date: `epoch` counts the moves, and a graph records the epoch it was captured in.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
 
 from ..diagnostics import log
 from .adapter import OptimizerAdapter
+from .python_state import StepObserver
 
 
 class OptimizerModes:
     """The optimizers of one captured step whose `step()` runs as an eager segment."""
 
-    def __init__(self, adapter: OptimizerAdapter, mode: str, step_name: str):
+    def __init__(self, adapter: OptimizerAdapter, mode: str, step_name: str, *, host_tensors: bool = False):
         self.adapter = adapter
         self.mode = mode
         """`Config.optimizer_mode`: "auto", "graph" or "eager"."""
@@ -28,6 +30,16 @@ class OptimizerModes:
         self.eager: list[torch.optim.Optimizer] = []
         self.epoch = 0
         """Bumped when an optimizer moves: graphs captured before are out of date."""
+        self.observer = StepObserver(host_tensors=host_tensors)
+        """What each optimizer's step changed in Python in the last warm-up (see `python_state.py`).
+        `host_tensors`: the graphs run on a GPU, so a CPU tensor in an optimizer is host state."""
+
+    def observing(self, optimizers: Iterable[torch.optim.Optimizer]) -> contextlib.AbstractContextManager:
+        """While warming up: note what the steps of the optimizers still in the graph change in Python
+        (in "auto" mode; the others have nothing to decide)."""
+        if self.mode != "auto":
+            return contextlib.nullcontext()
+        return self.observer.watching([opt for opt in optimizers if not self.is_eager(opt)])
 
     def is_eager(self, opt: torch.optim.Optimizer) -> bool:
         return any(opt is o for o in self.eager)
@@ -48,8 +60,9 @@ class OptimizerModes:
     def choose_before_capture(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """In `optimizer_mode="auto"`: an optimizer whose step will differ from what a graph bakes
         runs as an eager segment from the start, rather than after a capture that its first change
-        would throw away. That is one whose step reads the host every call, one whose state holds
-        Python numbers (a custom optimizer's step counter, which no graph would update), and one with
+        would throw away. That is one whose step reads the host every call, one whose step changed
+        Python values in the last warm-up (a step counter in its param groups or state, which no graph
+        would update, whatever package it comes from: `python_state.py`), and one with
         a scheduler attached (torch's schedulers add `initial_lr`, and `base_momentum` when they cycle
         momentum) that changes a value it bakes. Only for backends that capture graphs: the eager
         backend runs every step eagerly already."""
@@ -58,9 +71,7 @@ class OptimizerModes:
         for opt in optimizers:
             if self.is_eager(opt):
                 continue
-            why = self.adapter.eager_only(opt)
-            if not why and any(isinstance(v, (int, float)) for s in opt.state.values() for v in s.values()):
-                why = "its state holds Python numbers, which a graph would freeze"
+            why = self.adapter.eager_only(opt) or self.observer.reason(opt)
             for key in _scheduled_keys(opt):
                 if not why and not self.adapter.can_stay_in_graph(opt, key):
                     why = f"a scheduler changes {key!r}, which it reads as a Python number"

@@ -1,0 +1,189 @@
+"""The Python values an optimizer's `step()` changes: what decides, for any optimizer from any
+package, whether its step can live in a graph.
+
+A graph replays the kernels a step launched, never its Python. An optimizer that keeps a step count,
+a bias correction or a running maximum as a Python number (`group["k"] += 1` in schedule-free,
+`group["step"] += 1` in timm's Lamb and in pytorch-optimizer) would have that number frozen at its
+capture value by every replay, and train silently wrong. So graphstep watches each optimizer's step
+during warm-up: a step that changes a Python value in its param groups, its `state` or its own
+attributes (a wrapped optimizer's too), or creates a number there, runs as an eager segment between
+graph replays (`modes.py`); one that keeps every per-step value in device tensors stays in the graph.
+
+What is compared: numbers, flags, strings and None, inside dicts, lists and tuples (bounded), and
+host tensors when the graph runs on a GPU (a CPU step count beside CUDA parameters is host state too).
+Device tensors are left out: the graph updates them. Values a step creates are compared only when
+they are numbers in param groups or state (a first step makes its state lazily; a flag torch sets once,
+such as a warning already given, is no per-step value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_MOST_ITEMS = 64
+"""Containers and host tensors larger than this are not compared (a step count is small)."""
+_DEPTH = 4
+_OWN = frozenset({"state", "param_groups", "defaults"})
+"""Attributes of `torch.optim.Optimizer` that are compared through their own paths, or never change."""
+
+
+def values(opt: Any, *, host_tensors: bool) -> dict[str, Any]:
+    """Every Python value of `opt` that a step could change, by a path that names it."""
+    found: dict[str, Any] = {}
+    _optimizer(opt, "", found, host_tensors, depth=0)
+    return found
+
+
+def _optimizer(opt: Any, prefix: str, found: dict, host_tensors: bool, depth: int) -> None:
+    params = {
+        id(p): i for i, p in enumerate(p for g in getattr(opt, "param_groups", ()) for p in g["params"])
+    }
+    for i, group in enumerate(getattr(opt, "param_groups", ())):
+        for key, value in group.items():
+            if key != "params":
+                _collect(f"{prefix}param_groups[{i}][{key!r}]", value, found, host_tensors, 0)
+    for param, entries in getattr(opt, "state", {}).items():
+        where = f"{prefix}state[param {params.get(id(param), '?')}]"
+        if isinstance(entries, dict):
+            for key, value in entries.items():
+                _collect(f"{where}[{key!r}]", value, found, host_tensors, 0)
+    for name, value in vars(opt).items():
+        if name in _OWN:
+            continue
+        if isinstance(value, torch.optim.Optimizer) and depth < 2:  # a wrapper's inner optimizer
+            _optimizer(value, f"{prefix}{name}.", found, host_tensors, depth + 1)
+        else:
+            _collect(f"{prefix}{name}", value, found, host_tensors, 0)
+
+
+def _collect(path: str, value: Any, found: dict, host_tensors: bool, depth: int) -> None:
+    if isinstance(value, _PLAIN):
+        found[path] = value
+    elif isinstance(value, torch.Tensor):
+        if host_tensors and value.device.type == "cpu" and value.numel() <= _MOST_ITEMS:
+            found[path] = value.detach().clone()
+    elif depth < _DEPTH and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
+        for i, item in enumerate(value):
+            _collect(f"{path}[{i}]", item, found, host_tensors, depth + 1)
+    elif depth < _DEPTH and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
+        for key, item in value.items():
+            _collect(f"{path}[{key!r}]", item, found, host_tensors, depth + 1)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as a step would read them (NaN equals NaN; a host tensor by its values and dtype)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a, b) or bool(
+            a.is_floating_point()
+            and torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5))
+            and torch.equal(a.isnan(), b.isnan())
+        )
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """`path: before -> after` for each value the step changed, and each number it created in its
+    param groups or state."""
+    found = []
+    for path, now in after.items():
+        was = before.get(path, _ABSENT)
+        if was is _ABSENT:
+            created_number = isinstance(now, (int, float)) and not isinstance(now, bool)
+            if created_number and _in_groups_or_state(path):
+                found.append(f"{path}: (absent) -> {_shown(now)}")
+        elif not same(was, now):
+            found.append(f"{path}: {_shown(was)} -> {_shown(now)}")
+    return found
+
+
+def _in_groups_or_state(path: str) -> bool:
+    tail = path.rsplit(".", 1)[-1]
+    return tail.startswith(("param_groups[", "state["))
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a host tensor {value.tolist() if value.numel() <= 4 else list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_ABSENT = object()
+
+
+@dataclasses.dataclass
+class Observed:
+    """One optimizer's last step seen in warm-up: the Python values it changed, and its host time."""
+
+    changes: list[str]
+    seconds: float
+
+
+class StepObserver:
+    """Watches the `step()` of optimizers while it is entered (warm-ups, explain's dry run) through
+    torch's per-optimizer step hooks: which Python values each step changed, and how long it took on
+    the host. `seen` keeps the last step of each optimizer, by id."""
+
+    def __init__(self, *, host_tensors: bool):
+        self.host_tensors = host_tensors
+        self.seen: dict[int, Observed] = {}
+
+    @contextmanager
+    def watching(self, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[StepObserver]:
+        handles = []
+        for opt in optimizers:
+            if hasattr(opt, "register_step_pre_hook"):
+                handles.append(opt.register_step_pre_hook(self._before))
+                handles.append(opt.register_step_post_hook(self._after))
+        pending: dict[int, tuple[dict[str, Any], float]] = {}
+        self._pending = pending
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._pending = {}
+
+    def _before(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._pending[id(opt)] = (values(opt, host_tensors=self.host_tensors), time.perf_counter())
+
+    def _after(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        started = self._pending.pop(id(opt), None)
+        if started is None:
+            return
+        before, start = started
+        seconds = time.perf_counter() - start
+        self.seen[id(opt)] = Observed(changes(before, values(opt, host_tensors=self.host_tensors)), seconds)
+
+    def reason(self, opt: torch.optim.Optimizer) -> str | None:
+        """Why `opt`'s step cannot be in a graph, from its last observed step, or None."""
+        observed = self.seen.get(id(opt))
+        if observed is None or not observed.changes:
+            return None
+        listed = observed.changes[:4] + (
+            [f"... {len(observed.changes) - 4} more"] if len(observed.changes) > 4 else []
+        )
+        return (
+            "its step() changes Python values it keeps, which a graph would freeze at their capture values: "
+            + "; ".join(listed)
+            + f" (its step took {observed.seconds * 1e3:.2f} ms on the host in the last warm-up; as an eager "
+            "segment it runs on every call)"
+        )
