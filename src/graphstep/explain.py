@@ -28,6 +28,7 @@ from .guards.reads import Reads, ReadWatch
 from .guards.state_guard import bindings, named_state_tensors
 from .optim import table
 from .optim.plan import eager_only_reason
+from .optim.python_state import StepObserver
 from .state import Snapshot
 
 
@@ -42,6 +43,8 @@ class Explanation:
     hazards: list[str]
     reads: list[str] = dataclasses.field(default_factory=list)
     """Python values the step's code read, guarded by value or identity (`label = value`)."""
+    optimizers: list[str] = dataclasses.field(default_factory=list)
+    """Where each optimizer's step will run (in the graph or an eager segment), and why."""
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend}", f"signature: {self.signature}"]
@@ -52,6 +55,9 @@ class Explanation:
         lines.append("guarded before each replay: " + ", ".join(f"{n} {k}" for k, n in self.guarded.items()))
         if self.bindings:
             lines.append("closure and global objects watched: " + ", ".join(self.bindings))
+        if self.optimizers:
+            lines.append("optimizers:")
+            lines += [f"  - {o}" for o in self.optimizers]
         if self.reads:
             lines.append("Python values the step's code reads, compared before each replay:")
             lines += [f"  - {r}" for r in self.reads]
@@ -65,7 +71,8 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
     if not isinstance(step, CapturedStep):
         raise TypeError(f"explain() takes a graphstep.CapturedStep; got {type(step).__qualname__}.")
     signature, leaves = sig.Signature.of(args, kwargs)
-    backend = step._context_for(leaves).backend
+    ctx = step._context_for(leaves)
+    backend = ctx.backend
     state, fn = step._state, step._fn
     hazards: list[str] = []
 
@@ -121,8 +128,10 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
 
     reads = Reads.of_function(fn)
     refused_attributes: set[tuple[int, str]] = set()
+    observer = StepObserver(host_tensors=bool(backend.cuda_devices))
     if backend.static_buffers:
-        syncs, reads, effects_found, segments, refused_attributes = _dry_run(step, backend, args, kwargs)
+        with observer.watching(state.optimizers):
+            syncs, reads, effects_found, segments, refused_attributes = _dry_run(step, backend, args, kwargs)
         hazards += [f"host sync at {site}" for site in syncs] + effects_found
         hazards += [
             f"{name} runs as an eager segment between graph replays (one wait for the GPU per call): {why}"
@@ -154,6 +163,7 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
         hazards=hazards,
         reads=[f"{label} = {value!r}" for label, value in read_guard.objects() if is_simple(value)]
         + read_guard.contents.describe(),
+        optimizers=[ctx.modes.explain(opt, observer) for opt in state.optimizers] if backend.static_buffers else [],
     )
 
 

@@ -143,14 +143,31 @@ def contents(container: Any) -> Any:
     return list(container)
 
 
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def same(a: Any, b: Any) -> bool:
+    """`b` is `a`, or a plain value equal to it (a write of the value already there changes nothing:
+    `self.scale = 0.5` again, `group["lr"] = group["lr"]`); NaN equals NaN."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _PLAIN):
+        return a == b or (isinstance(a, float) and a != a and b != b)
+    if isinstance(a, tuple) and len(a) == len(b) and len(a) <= 64:
+        return all(same(x, y) for x, y in zip(a, b))
+    return False
+
+
 def unchanged(container: Any, was: Any) -> bool:
     if isinstance(container, dict):
-        return len(container) == len(was) and all(dict.get(container, k, MISSING) is v for k, v in was)
+        return len(container) == len(was) and all(same(v, dict.get(container, k, MISSING)) for k, v in was)
     if isinstance(container, bytearray):
         return bytes(container) == was
     if isinstance(container, (set, frozenset)):
         return len(container) == len(was) and all(x in container for x in was)
-    return len(container) == len(was) and all(a is b for a, b in zip(container, was))
+    return len(container) == len(was) and all(same(b, a) for a, b in zip(container, was))
 
 
 def restore_contents(container: Any, was: Any) -> None:
@@ -227,17 +244,18 @@ class Census:
         self._ids: set[int] | None = None
         self._held: dict[int, tuple[Any, bool]] = {}
 
-    def existed(self, obj: Any) -> bool:
+    def existed(self, obj: Any, *, thorough: bool = True) -> bool:
         """`obj` existed before the capture began, or is held by something that did (a plain dict that
         the collector did not track then: a dict holding only numbers is not tracked). The second costs
-        one pass over the collector's objects, once per such dict."""
+        one pass over the collector's objects, once per such dict; `thorough=False` leaves it out (a
+        first look, where most objects written were made by the step)."""
         if self.objects is None:
             return True
         if self._ids is None:
             self._ids = {id(o) for o in self.objects}
         if id(obj) in self._ids:
             return True
-        if type(obj) is not dict:  # only a plain dict can have been left untracked
+        if type(obj) is not dict or not thorough:  # only a plain dict can have been left untracked
             return False
         cached = self._held.get(id(obj))
         if cached is None or cached[0] is not obj:

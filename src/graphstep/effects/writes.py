@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import linecache
 import logging
 import os
@@ -47,7 +48,7 @@ import torch
 from ..backends import segments
 from ..errors import PythonWriteError
 from ..guards.reads import is_user_file
-from . import targets, values
+from . import targets, trusted, values
 
 log = logging.getLogger("graphstep")
 
@@ -134,6 +135,7 @@ class WriteWatch:
         self._active = False
         self._census: values.Census | None = None
         self._user: dict[types.CodeType, bool] = {}
+        self._judged: dict[types.CodeType, bool] = {}
         self._pending: dict[types.FrameType, _Pending] = {}
         self._previous_trace: Any = None
 
@@ -246,6 +248,19 @@ class WriteWatch:
             user = self._user[code] = not generated and is_user_file(name)
         return user
 
+    def _is_judged(self, frame: types.FrameType) -> bool:
+        """The user's code, and library code that `trusted.py` does not name (where code lives decides
+        nothing: a package's counter is as frozen by a replay as the user's)."""
+        code = frame.f_code
+        judged = self._judged.get(code)
+        if judged is None:
+            name = code.co_filename
+            generated = name == "<string>" or name.startswith(("<frozen", "<attrs generated"))
+            judged = self._judged[code] = not generated and (
+                self._is_user(code) or trusted.reason(frame.f_globals.get("__name__") or "") is None
+            )
+        return judged
+
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         inner = self._previous_trace(frame, event, arg) if self._previous_trace is not None else None
         code = frame.f_code
@@ -254,7 +269,7 @@ class WriteWatch:
             if code.co_name in _LOGGING_CALLS and caller is not None and self._is_user(caller.f_code):
                 self._note_print(caller)
             return inner
-        if not self._is_user(code) or not targets.stores(code):
+        if not self._is_judged(frame) or not targets.stores(code):
             return inner
         inner_opcodes = inner is not None and frame.f_trace_opcodes
         local = _Local(self, inner, inner_opcodes)
@@ -292,7 +307,8 @@ class WriteWatch:
     def _begin_store(self, frame: types.FrameType, store: targets.Store) -> None:
         kind, name = store.kind, store.name
         if kind == "print":
-            self._note_print(frame)
+            if self._is_user(frame.f_code):
+                self._note_print(frame)
         elif kind == "global":
             namespace = frame.f_globals
             self._pending[frame] = _Pending(kind, namespace, name, namespace.get(name, values.MISSING), name)
@@ -302,6 +318,8 @@ class WriteWatch:
             obj = targets.evaluate(store.target, frame, frame.f_locals)
             if obj is targets.UNKNOWN or isinstance(obj, torch.Tensor):
                 return
+            if not self._is_user(frame.f_code) and not self._census.existed(obj, thorough=False):
+                return  # library code mostly writes objects the step made: skip those cheaply
             text = targets.render(store.target)
             if kind == "attr":
                 state = values.attr_state(obj, name)
@@ -318,20 +336,20 @@ class WriteWatch:
     def _complete(self, p: _Pending, frame: types.FrameType) -> None:
         if p.kind == "global":
             now = p.obj.get(p.name, values.MISSING)
-            if now is p.before:
+            if values.same(p.before, now):
                 return
             what = f"global {p.name!r} of {os.path.basename(p.obj.get('__file__', '?'))}"
             what += f": {values.shown(p.before)} -> {values.shown(now)}"
             self._refuse(frame, p.line, what, values.undo_global(p.obj, p.name, p.before))
         elif p.kind == "cell":
             now = frame.f_locals.get(p.name, values.MISSING)
-            cell = None if now is p.before else values.find_cell(frame.f_code, p.name, now)
+            cell = None if values.same(p.before, now) else values.find_cell(frame.f_code, p.name, now)
             if cell is not None and self._census.existed(cell):
                 what = f"closure variable {p.name!r} of {frame.f_code.co_name}: {values.shown(p.before)} -> {values.shown(now)}"
                 self._refuse(frame, p.line, what, values.undo_cell(cell, p.before))
         elif p.kind == "attr":
             now = values.attr_state(p.obj, p.name)
-            if now is not None and now[0] == p.before[0] and now[1] is p.before[1]:
+            if now is not None and now[0] == p.before[0] and values.same(p.before[1], now[1]):
                 return
             if self._census.existed(p.obj):
                 what = f"`{p.text}`, attribute {p.name!r} of {values.described(p.obj)}"
@@ -352,7 +370,27 @@ class WriteWatch:
     ) -> None:
         if _in_segment(frame):  # an eager segment runs on every replay: its writes are repeated
             return
-        self.writes.append(Write(site(frame, line), what, undo, attribute))
+        if _asynchronous(frame):  # not the step's work, though it ran during it
+            return
+        where = site(frame, line)
+        if not self._is_user(frame.f_code):
+            caller = frame.f_back
+            while caller is not None and not self._is_user(caller.f_code):
+                caller = caller.f_back
+            where = f"{where} (library code{f', reached from {site(caller)}' if caller is not None else ''})"
+        self.writes.append(Write(where, what, undo, attribute))
+
+
+def _asynchronous(frame: types.FrameType | None) -> bool:
+    """`frame` runs inside code the interpreter called on its own in the middle of the step: a garbage
+    collector callback (a test framework's timer, a profiler's), a finalizer (`__del__`)."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code in callbacks:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_segment(frame: types.FrameType | None) -> bool:

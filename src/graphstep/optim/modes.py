@@ -71,12 +71,40 @@ class OptimizerModes:
         for opt in optimizers:
             if self.is_eager(opt):
                 continue
-            why = self.adapter.eager_only(opt) or self.observer.reason(opt)
-            for key in _scheduled_keys(opt):
-                if not why and not self.adapter.can_stay_in_graph(opt, key):
-                    why = f"a scheduler changes {key!r}, which it reads as a Python number"
+            why = self.why_eager(opt, self.observer)
             if why:
                 self.move_to_eager([opt], why)
+
+    def why_eager(self, opt: torch.optim.Optimizer, observer: StepObserver) -> str | None:
+        """Why `opt`'s step must run as an eager segment from the start in "auto" mode (`observer`:
+        what its step was seen to change), or None: it stays in the graph."""
+        why = self.adapter.eager_only(opt) or observer.reason(opt)
+        for key in _scheduled_keys(opt):
+            if not why and not self.adapter.can_stay_in_graph(opt, key):
+                why = f"a scheduler changes {key!r}, which it reads as a Python number"
+        return why
+
+    def explain(self, opt: torch.optim.Optimizer, observer: StepObserver) -> str:
+        """Where `opt`'s step will run and why, for `graphstep.explain` (`observer`: its dry run)."""
+        name = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        if self.is_eager(opt):
+            return f"{name}.step(): an eager segment between graph replays (already moved)"
+        if self.mode == "eager":
+            return f'{name}.step(): an eager segment between graph replays (Config(optimizer_mode="eager"))'
+        if self.mode == "graph" and observer.reason(opt):
+            return (
+                f'{name}.step(): in the graph (Config(optimizer_mode="graph")), but the capture will refuse '
+                f"it (PythonWriteError): {observer.reason(opt)}"
+            )
+        why = self.why_eager(opt, observer) if self.mode == "auto" else None
+        if why:
+            return f"{name}.step(): an eager segment between graph replays, one host round trip per call: {why}"
+        if id(opt) not in observer.seen:
+            return f"{name}.step(): not called by this step"
+        return (
+            f"{name}.step(): in the graph (its step changed no Python value: every per-step value is on "
+            "the device; a hyperparameter it reads as a number moves it to an eager segment when it changes)"
+        )
 
     def movable(self, changes: Iterable[object]) -> list[torch.optim.Optimizer]:
         """Optimizers whose baked hyperparameters are among a guard's `changes` and that may move

@@ -1,0 +1,135 @@
+"""Writes by library code follow the user's rule: where code lives decides nothing.
+
+A module imported from a folder named site-packages (where pip puts packages, and what the user-code
+check calls library code) that advances a Python counter in the step is refused at capture, naming
+its line and the user's line that led there; a library write of the value already there, or to an
+object the step made, is not a change; the packages graphstep trusts are named in one list with a
+reason each.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cpu_common import TinyNet, batches
+from graphstep.effects import trusted
+from graphstep.errors import PythonWriteError
+from graphstep.guards.user_code import is_user_file
+from test_effects_writes import equal_over_steps, line_of, refused
+
+LIBRARY = '''
+"""A package as pip would install it: a module wrapper that keeps Python bookkeeping."""
+import torch
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.mode = "train"
+        self.seen_shapes = []
+
+    def forward(self, x):
+        self.mode = "train"  # the same value again: no change
+        made = {}  # an object the call makes: its writes are fine
+        made["shape"] = tuple(x.shape)
+        if self.counting:
+            self.calls += 1  # library write: a counter
+        return self.inner(x) * (1.0 + 0.01 * min(self.calls, 10))
+
+    counting = True
+'''
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    root = tmp_path_factory.mktemp("env") / "lib" / "python3" / "site-packages"
+    root.mkdir(parents=True)
+    (root / "scaledlib.py").write_text(textwrap.dedent(LIBRARY))
+    sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module("scaledlib")
+        assert not is_user_file(module.__file__), "the test's package must count as library code"
+        yield module
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("scaledlib", None)
+
+
+def wrapped(library, counting: bool):
+    class Wrapped(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scaled = library.Scaled(self.fc2)
+            self.scaled.counting = counting
+
+        def forward(self, x):
+            return self.scaled(self.drop(torch.relu(self.fc1(x))))  # the user's line
+
+    return Wrapped
+
+
+def train(model, opt):
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def test_a_library_counter_is_refused_with_its_line_and_the_users(library):
+    model_cls = wrapped(library, counting=True)
+    text = refused(model_cls, train, lambda m: m.scaled.calls)
+    assert f"{library.__file__}:" in text and "self.calls += 1" in text, text
+    assert "library code, reached from" in text and line_of(model_cls.forward, "the user's line") in text, text
+    assert "2 -> 3" in text, text
+
+
+def test_library_writes_of_the_same_value_or_to_new_objects_are_not_changes(library):
+    model, twin = equal_over_steps(wrapped(library, counting=False), train)
+    assert twin.scaled.mode == "train" and twin.scaled.calls == 0
+
+
+def test_the_trusted_list_gives_a_reason_for_each_package_and_judges_the_rest():
+    assert trusted.reason("torch.nn.modules.module") and "tensors" in trusted.reason("torch.nn.modules.module")
+    assert trusted.reason("torch.optim.lr_scheduler") is None, "a scheduler's epoch counter is judged"
+    assert trusted.reason("pytorch_lightning.core.module") and trusted.reason("logging")
+    assert trusted.reason("graphstep.guards.reads") and trusted.reason("graphstep.demo.gpt") is None
+    for package in ("timm.optim.lamb", "schedulefree.adamw_schedulefree", "pytorch_optimizer", "omegaconf"):
+        assert trusted.reason(package) is None, package
+    assert all(why is None or len(why) > 40 for why in trusted.TRUSTED.values()), "each entry says why"
+
+
+def test_a_scheduler_stepped_inside_the_step_is_refused():
+    """torch's own LR scheduler advances `last_epoch` in Python: inside the step a replay would never
+    advance it again, so the capture refuses it like the user's own counter."""
+
+    def with_schedule(model, opt):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        inner = train(model, opt)
+
+        def step(x, y):
+            loss = inner(x, y)
+            sched.step()
+            return loss
+
+        step.sched = sched
+        return step
+
+    from test_effects_writes import twins
+
+    (_, _, eager), (_, _, captured) = twins(TinyNet, with_schedule)
+    data = batches(3)
+    for x, y in data[:2]:
+        captured(x, y)
+    with pytest.raises(PythonWriteError, match="last_epoch"):
+        captured(*data[2])
