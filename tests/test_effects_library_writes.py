@@ -90,17 +90,21 @@ def test_a_library_counter_is_refused_with_its_line_and_the_users(library):
     model_cls = wrapped(library, counting=True)
     text = refused(model_cls, train, lambda m: m.scaled.calls)
     assert f"{library.__file__}:" in text and "self.calls += 1" in text, text
-    assert "library code, reached from" in text and line_of(model_cls.forward, "the user's line") in text, text
+    assert "library code, reached from" in text and line_of(model_cls.forward, "the user's line") in text, (
+        text
+    )
     assert "2 -> 3" in text, text
 
 
 def test_library_writes_of_the_same_value_or_to_new_objects_are_not_changes(library):
-    model, twin = equal_over_steps(wrapped(library, counting=False), train)
+    _model, twin = equal_over_steps(wrapped(library, counting=False), train)
     assert twin.scaled.mode == "train" and twin.scaled.calls == 0
 
 
 def test_the_trusted_list_gives_a_reason_for_each_package_and_judges_the_rest():
-    assert trusted.reason("torch.nn.modules.module") and "tensors" in trusted.reason("torch.nn.modules.module")
+    assert trusted.reason("torch.nn.modules.module") and "tensors" in trusted.reason(
+        "torch.nn.modules.module"
+    )
     assert trusted.reason("torch.optim.lr_scheduler") is None, "a scheduler's epoch counter is judged"
     assert trusted.reason("pytorch_lightning.core.module") and trusted.reason("logging")
     assert trusted.reason("graphstep.guards.reads") and trusted.reason("graphstep.demo.gpt") is None
@@ -127,7 +131,7 @@ def test_a_scheduler_stepped_inside_the_step_is_refused():
 
     from test_effects_writes import twins
 
-    (_, _, eager), (_, _, captured) = twins(TinyNet, with_schedule)
+    (_, _, _eager), (_, _, captured) = twins(TinyNet, with_schedule)
     data = batches(3)
     for x, y in data[:2]:
         captured(x, y)

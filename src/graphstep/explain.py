@@ -163,7 +163,9 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
         hazards=hazards,
         reads=[f"{label} = {value!r}" for label, value in read_guard.objects() if is_simple(value)]
         + read_guard.contents.describe(),
-        optimizers=[ctx.modes.explain(opt, observer) for opt in state.optimizers] if backend.static_buffers else [],
+        optimizers=[ctx.modes.explain(opt, observer) for opt in state.optimizers]
+        if backend.static_buffers
+        else [],
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,7 +104,7 @@ class Snapshot:
     """Python references a step can change even when none of its kernels ran."""
 
     grads: list[tuple[torch.Tensor, torch.Tensor | None]]
-    optimizer_state: list[tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, dict, dict]], list[dict]]]
+    optimizer_state: list[tuple[torch.optim.Optimizer, list[tuple[Any, Any, dict | None]], list[dict]]]
     """Per optimizer: (parameter, its state dict, that dict's contents) in order, and the groups."""
     training: list[tuple[nn.Module, bool]]
     cpu_rng: torch.Tensor
@@ -114,7 +115,13 @@ class Snapshot:
         return cls(
             grads=[(p, p.grad) for p in state.parameters()],
             optimizer_state=[
-                (opt, [(p, s, dict(s)) for p, s in opt.state.items()], [dict(g) for g in opt.param_groups])
+                (
+                    opt,
+                    # An optimizer may keep a value of its own among its parameters' entries (a step
+                    # count under a string key): kept as it is.
+                    [(p, s, dict(s) if isinstance(s, dict) else None) for p, s in opt.state.items()],
+                    [dict(g) for g in opt.param_groups],
+                )
                 for opt in state.optimizers
             ],
             training=[(m, m.training) for root in state.modules for m in root.modules()],
@@ -130,8 +137,9 @@ class Snapshot:
             # compares them by identity (guards/optimizer.py).
             opt.state.clear()
             for p, entry, contents in saved_state:
-                entry.clear()
-                entry.update(contents)
+                if contents is not None:
+                    entry.clear()
+                    entry.update(contents)
                 opt.state[p] = entry
             for group, saved in zip(opt.param_groups, saved_groups):
                 group.clear()

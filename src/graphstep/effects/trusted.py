@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
+
+from ..guards.user_code import is_user_file
 
 TRUSTED: dict[str, str | None] = {
     "graphstep": "graphstep's own bookkeeping (guards, segments, live hyperparameters): it redoes per call what "
@@ -53,3 +56,42 @@ def reason(module: str) -> str | None:
         if prefix in TRUSTED:
             return TRUSTED[prefix]
     return None
+
+
+def _generated(filename: str) -> bool:
+    """Code made with `exec` (a dataclass's `__init__`, attrs' methods): nobody's line to fix. An
+    interactive session's ("<stdin>", "<ipython-input-...>") is the user's."""
+    return filename == "<string>" or filename.startswith(("<frozen", "<attrs generated"))
+
+
+class CodeKinds:
+    """Which running code is the user's, and which is judged at all (the user's, and library code
+    this list does not trust), cached per code object for one watch."""
+
+    def __init__(self) -> None:
+        self._user: dict[types.CodeType, bool] = {}
+        self._judged: dict[types.CodeType, bool] = {}
+
+    def is_user(self, code: types.CodeType) -> bool:
+        user = self._user.get(code)
+        if user is None:
+            name = code.co_filename
+            user = self._user[code] = not _generated(name) and is_user_file(name)
+        return user
+
+    def is_judged(self, frame: types.FrameType) -> bool:
+        code = frame.f_code
+        judged = self._judged.get(code)
+        if judged is None:
+            module = frame.f_globals.get("__name__") or ""
+            judged = self._judged[code] = not _generated(code.co_filename) and (
+                self.is_user(code) or reason(module) is None
+            )
+        return judged
+
+    def users_caller(self, frame: types.FrameType) -> types.FrameType | None:
+        """The innermost user frame that led to library `frame`."""
+        caller = frame.f_back
+        while caller is not None and not self.is_user(caller.f_code):
+            caller = caller.f_back
+        return caller

@@ -7,19 +7,21 @@ capture, then never again: results drift from eager without a word. `WriteWatch`
 capturing run and refuses such writes with the user's line (`PythonWriteError`), after putting back
 every value they changed, so nothing is lost.
 
-What counts: a write made from a *user* frame (not torch's, an installed package's, the standard
-library's or graphstep's own; see `guards.reads.is_user_file`), to an object that existed before the
-capture began — an attribute of an object, module or class, a global, a closure variable of an
+What counts: a write made from the user's code or a library's — where code lives decides nothing: a
+package's Python counter is as frozen by a replay as the user's — to an object that existed before the
+capture began: an attribute of an object, module or class, a global, a closure variable of an
 enclosing function, the contents of a list, dict, set, deque or bytearray (item assignment, `del`,
-in-place operators, and their mutating methods). Writes to objects the step creates are fine, and so
-is everything libraries write (DDP, FSDP2, autocast, hooks, transformers and Lightning keep Python
-bookkeeping in every forward), and whatever an eager segment does (it runs on every replay). A write
-that leaves the same object in place (`self.flag = True` when it was True) changes nothing.
+in-place operators, and their mutating methods). A library's write names its line and the user's line
+that led there. Not judged: the code `trusted.py` lists, each with its reason (torch, graphstep, the
+standard library, Lightning's and the HF Trainer's bookkeeping, accelerate), writes to objects the step
+creates, whatever an eager segment does (it runs on every replay), and code the interpreter runs on its
+own in the middle of the step (a gc callback, a finalizer). A write of the value already there
+(`self.flag = True` when it was True, an equal number) changes nothing.
 
-How: an opcode tracer (`sys.settrace`) on user frames that contain stores or calls of containers'
+How: an opcode tracer (`sys.settrace`) on judged frames that contain stores or calls of containers'
 mutating methods (`append`, `update`, ...); the target of each comes from the bytecode (`targets.py`)
 and is compared before and after the instruction. It chains to the tracer installed before (local
-tracers included) and puts it back after; no profile function is installed, so library code pays one
+tracers included) and puts it back after; no profile function is installed, so trusted code pays one
 trace call per Python frame it enters and nothing per C call. What existed before is a census of the
 collector's objects taken when the watch starts (tensors left out).
 
@@ -27,7 +29,9 @@ Limits: user Python that autograd runs on its own threads (a custom backward on 
 writes through `setattr()`, `object.__setattr__`, `vars(obj)[...]`, a C function handed a container
 (`heapq.heappush`), a method called unbound (`list.append(xs, x)`) or kept in a variable, or a user
 container type's own `__setitem__` implemented in C are not seen; a store
-whose target the bytecode analysis does not follow (an attribute of a call's result) is not judged.
+whose target the bytecode analysis does not follow (an attribute of a call's result) is not judged; a
+library's write into a dict of plain numbers that the collector does not track is not seen (the first
+look skips objects missing from the census, most of which the step made).
 """
 
 from __future__ import annotations
@@ -47,7 +51,6 @@ import torch
 
 from ..backends import segments
 from ..errors import PythonWriteError
-from ..guards.reads import is_user_file
 from . import targets, trusted, values
 
 log = logging.getLogger("graphstep")
@@ -134,8 +137,7 @@ class WriteWatch:
         self._used = False
         self._active = False
         self._census: values.Census | None = None
-        self._user: dict[types.CodeType, bool] = {}
-        self._judged: dict[types.CodeType, bool] = {}
+        self._code = trusted.CodeKinds()
         self._pending: dict[types.FrameType, _Pending] = {}
         self._previous_trace: Any = None
 
@@ -238,38 +240,15 @@ class WriteWatch:
 
     # -- the hooks ------------------------------------------------------------------------------
 
-    def _is_user(self, code: types.CodeType) -> bool:
-        user = self._user.get(code)
-        if user is None:
-            # Code generated with `exec` (a dataclass's `__init__`, attrs' methods) is nobody's line
-            # to fix; an interactive session's ("<stdin>", "<ipython-input-...>") is the user's.
-            name = code.co_filename
-            generated = name == "<string>" or name.startswith(("<frozen", "<attrs generated"))
-            user = self._user[code] = not generated and is_user_file(name)
-        return user
-
-    def _is_judged(self, frame: types.FrameType) -> bool:
-        """The user's code, and library code that `trusted.py` does not name (where code lives decides
-        nothing: a package's counter is as frozen by a replay as the user's)."""
-        code = frame.f_code
-        judged = self._judged.get(code)
-        if judged is None:
-            name = code.co_filename
-            generated = name == "<string>" or name.startswith(("<frozen", "<attrs generated"))
-            judged = self._judged[code] = not generated and (
-                self._is_user(code) or trusted.reason(frame.f_globals.get("__name__") or "") is None
-            )
-        return judged
-
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         inner = self._previous_trace(frame, event, arg) if self._previous_trace is not None else None
         code = frame.f_code
         if code.co_filename == _LOGGING_FILE:
             caller = frame.f_back
-            if code.co_name in _LOGGING_CALLS and caller is not None and self._is_user(caller.f_code):
+            if code.co_name in _LOGGING_CALLS and caller is not None and self._code.is_user(caller.f_code):
                 self._note_print(caller)
             return inner
-        if not self._is_judged(frame) or not targets.stores(code):
+        if not self._code.is_judged(frame) or not targets.stores(code):
             return inner
         inner_opcodes = inner is not None and frame.f_trace_opcodes
         local = _Local(self, inner, inner_opcodes)
@@ -307,7 +286,7 @@ class WriteWatch:
     def _begin_store(self, frame: types.FrameType, store: targets.Store) -> None:
         kind, name = store.kind, store.name
         if kind == "print":
-            if self._is_user(frame.f_code):
+            if self._code.is_user(frame.f_code):
                 self._note_print(frame)
         elif kind == "global":
             namespace = frame.f_globals
@@ -318,7 +297,7 @@ class WriteWatch:
             obj = targets.evaluate(store.target, frame, frame.f_locals)
             if obj is targets.UNKNOWN or isinstance(obj, torch.Tensor):
                 return
-            if not self._is_user(frame.f_code) and not self._census.existed(obj, thorough=False):
+            if not self._code.is_user(frame.f_code) and not self._census.existed(obj, thorough=False):
                 return  # library code mostly writes objects the step made: skip those cheaply
             text = targets.render(store.target)
             if kind == "attr":
@@ -373,10 +352,8 @@ class WriteWatch:
         if _asynchronous(frame):  # not the step's work, though it ran during it
             return
         where = site(frame, line)
-        if not self._is_user(frame.f_code):
-            caller = frame.f_back
-            while caller is not None and not self._is_user(caller.f_code):
-                caller = caller.f_back
+        if not self._code.is_user(frame.f_code):
+            caller = self._code.users_caller(frame)
             where = f"{where} (library code{f', reached from {site(caller)}' if caller is not None else ''})"
         self.writes.append(Write(where, what, undo, attribute))
 

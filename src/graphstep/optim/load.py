@@ -59,6 +59,10 @@ def install_load_hooks(optimizer: Optimizer, after_load: Callable[[Optimizer], N
         _restore_after_load(opt, *stash.pop("before"))
         after_load(opt)
 
+    if not hasattr(optimizer, "_optimizer_load_state_dict_pre_hooks"):
+        # A wrapper that never ran `Optimizer.__init__` (pytorch-optimizer's Magma): its own
+        # `load_state_dict` runs no torch hooks, so there is nothing to hook.
+        return
     optimizer.register_load_state_dict_pre_hook(pre)
     optimizer.register_load_state_dict_post_hook(post)
     _hooked.add(optimizer)

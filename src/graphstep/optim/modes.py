@@ -98,7 +98,9 @@ class OptimizerModes:
             )
         why = self.why_eager(opt, observer) if self.mode == "auto" else None
         if why:
-            return f"{name}.step(): an eager segment between graph replays, one host round trip per call: {why}"
+            return (
+                f"{name}.step(): an eager segment between graph replays, one host round trip per call: {why}"
+            )
         if id(opt) not in observer.seen:
             return f"{name}.step(): not called by this step"
         return (

@@ -19,6 +19,7 @@ such as a warning already given, is no per-step value).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -145,22 +146,36 @@ class StepObserver:
     def __init__(self, *, host_tensors: bool):
         self.host_tensors = host_tensors
         self.seen: dict[int, Observed] = {}
+        self._pending: dict[int, tuple[dict[str, Any], float]] = {}
 
     @contextmanager
     def watching(self, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[StepObserver]:
-        handles = []
+        handles, wrapped = [], []
         for opt in optimizers:
-            if hasattr(opt, "register_step_pre_hook"):
+            if hasattr(opt, "_optimizer_step_pre_hooks"):
                 handles.append(opt.register_step_pre_hook(self._before))
                 handles.append(opt.register_step_post_hook(self._after))
-        pending: dict[int, tuple[dict[str, Any], float]] = {}
-        self._pending = pending
+            else:  # a wrapper that never ran `Optimizer.__init__`: no hooks, so its bound step is wrapped
+                wrapped.append((opt, opt.__dict__.get("step")))
+                opt.step = functools.partial(self._observed, opt, opt.step)
+        self._pending = {}
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
+            for opt, before in wrapped:
+                if before is None:
+                    opt.__dict__.pop("step", None)
+                else:
+                    opt.step = before
             self._pending = {}
+
+    def _observed(self, opt: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+        self._before(opt, args, kwargs)
+        result = step(*args, **kwargs)
+        self._after(opt, args, kwargs)
+        return result
 
     def _before(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._pending[id(opt)] = (values(opt, host_tensors=self.host_tensors), time.perf_counter())

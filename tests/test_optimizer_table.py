@@ -1,0 +1,48 @@
+"""Every optimizer of torch.optim, timm, pytorch-optimizer, schedule-free, prodigyopt and lion-pytorch
+(where installed) trains equal to eager on the CPU recording backend, or is refused at capture: never
+silently different. With GRAPHSTEP_OPTIMIZER_TABLE=path the rows are written there as the table of
+docs/optimizers.md (tests/gpu/test_optimizer_table_gpu.py writes the GPU one)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+
+import optimizer_zoo
+
+
+@pytest.fixture(scope="module")
+def rows():
+    found = []
+    yield found
+    path = os.environ.get("GRAPHSTEP_OPTIMIZER_TABLE")
+    if path and found:
+        line = f"CPU ({platform.processor() or platform.machine()}), recording backend, torch {torch.__version__}"
+        with open(path, "w") as f:
+            f.write(optimizer_zoo.table(found, line))
+
+
+@pytest.mark.parametrize(
+    "package, name, make",
+    [pytest.param(p, n, m, id=f"{p}.{n}") for p, n, m in optimizer_zoo.everything()],
+)
+def test_every_optimizer_is_equal_to_eager_or_refused(package, name, make, rows):
+    row = optimizer_zoo.run(package, name, make, "cpu")
+    rows.append(row)
+    assert not row.outcome.startswith("DIFFERS"), f"{package}.{name} trains silently wrong: {row}"
+    if row.outcome == "equal":
+        assert row.mode in ("graph", "segment")
+
+
+def test_the_table_covers_the_packages_installed():
+    packages = {p for p, _, _ in optimizer_zoo.everything()}
+    assert "torch.optim" in packages
+    for module, package in (("schedulefree", "schedulefree"), ("pytorch_optimizer", "pytorch_optimizer")):
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        assert package in packages
