@@ -188,3 +188,66 @@ def test_schedulefree_eval_between_calls_evaluates_the_same_weights():
             for model in (m_e, m_g):
                 model.train()
     assert step.stats.captures == 1
+
+
+class HostScaled(GroupCounter):
+    """Reads a norm on the host every step (`.item()`): no graph can record it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                scale = min(1.0, 1.0 / max(p.grad.norm().item(), 1e-12))
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class LateCounter(GroupCounter):
+    """Changes a Python value in its group only from its third step (counted on the class, which the
+    per-step check of an optimizer's own values does not read): two warm-ups cannot see it."""
+
+    steps_taken = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        type(self).steps_taken += 1
+        for group in self.param_groups:
+            if type(self).steps_taken >= 3:
+                group["late"] = group.get("late", 0.0) + 0.5
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] / (1.0 + group.get("late", 0.0)))
+
+
+def test_a_step_that_syncs_only_at_capture_moves_to_a_segment_and_captures_again(caplog):
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        step = run_pair(twins(lambda m: HostScaled(m.parameters())), recording())
+    (message,) = moved(caplog)
+    assert "reads the host" in message
+    assert step.stats.captures == 1 and step.stats.replays == STEPS - 3
+
+
+def test_a_python_value_first_changed_at_capture_moves_the_step_to_a_segment(caplog):
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        run_pair(twins(lambda m: type("Late", (LateCounter,), {})(m.parameters())), recording())
+    (message,) = moved(caplog)
+    assert "param_groups[0]['late']" in message and "in the capture" in message
+
+
+def test_with_optimizer_mode_graph_such_a_step_is_refused_at_capture():
+    with pytest.raises(graphstep.errors.PythonWriteError, match=r"group\[\"step\"\] \+= 1"):
+        run_pair(twins(lambda m: GroupCounter(m.parameters())), recording(optimizer_mode="graph"))
+
+
+def test_explain_says_where_each_optimizer_runs_and_why():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = GroupCounter(model.parameters())
+    step = graphstep.capture(train_step(model, opt), model=model, optimizer=opt, config=recording())
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    text = str(graphstep.explain(step, x, y))
+    assert "GroupCounter.step(): an eager segment" in text and "param_groups[0]['step']" in text, text
+    device_model = torch.nn.Linear(8, 1)
+    device_opt = DeviceCounter(device_model.parameters())
+    other = graphstep.capture(
+        train_step(device_model, device_opt), model=device_model, optimizer=device_opt, config=recording()
+    )
+    assert "DeviceCounter.step(): in the graph" in str(graphstep.explain(other, x, y))

@@ -418,6 +418,7 @@ def capture_variant(
             host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
             segments.capturing(splitter, params, segment_results) as session,
             segments.optimizer_steps_as_segments(ctx.modes.eager),
+            ctx.modes.observing(ctx.state.optimizers, capturing=True),
             library_segments.calls_as_segments(
                 ctx.name, capturing=True, log_at_capture=backend.static_buffers
             ),
@@ -447,9 +448,15 @@ def capture_variant(
     if error is not None:
         snapshot.restore()
         python.roll_back()
-        if isinstance(error, GraphStepError) or not isinstance(error, Exception):
+        if not isinstance(error, Exception):
             raise error
-        raise capture_error(ctx.name, error) from error
+        converted = error if isinstance(error, GraphStepError) else capture_error(ctx.name, error)
+        if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
+            # An optimizer's step stopped the capture and now runs as an eager segment: again.
+            return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)
+        if converted is error:
+            raise error
+        raise converted from error
     if isinstance(recording, PartsRecording):
         recording.segments = captured["segments"]
         recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from ..diagnostics import log
+from ..errors import HostSyncError, PythonWriteError
 from .adapter import OptimizerAdapter
 from .python_state import StepObserver
 
@@ -34,12 +35,37 @@ class OptimizerModes:
         """What each optimizer's step changed in Python in the last warm-up (see `python_state.py`).
         `host_tensors`: the graphs run on a GPU, so a CPU tensor in an optimizer is host state."""
 
-    def observing(self, optimizers: Iterable[torch.optim.Optimizer]) -> contextlib.AbstractContextManager:
-        """While warming up: note what the steps of the optimizers still in the graph change in Python
-        (in "auto" mode; the others have nothing to decide)."""
+    def observing(
+        self, optimizers: Iterable[torch.optim.Optimizer], *, capturing: bool = False
+    ) -> contextlib.AbstractContextManager:
+        """While warming up or capturing: note what the steps of the optimizers still in the graph
+        change in Python, and which step raised (in "auto" mode; the others have nothing to decide)."""
         if self.mode != "auto":
             return contextlib.nullcontext()
-        return self.observer.watching([opt for opt in optimizers if not self.is_eager(opt)])
+        during = "the capture" if capturing else "the last warm-up"
+        return self.observer.watching([opt for opt in optimizers if not self.is_eager(opt)], during)
+
+    def after_failed_capture(self, error: BaseException, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+        """In "auto" mode, after a capture failed: an optimizer whose step raised the host sync that
+        stopped it, or whose step changed Python values while capturing (a write the capture refused),
+        moves to an eager segment; True when one moved (capture again). Warm-up usually finds these
+        first; this catches a step that syncs only while a stream captures, or an optimizer whose
+        Python values a single warm-up could not tell from its lazily made state."""
+        if self.mode != "auto":
+            return False
+        moved = False
+        for opt in optimizers:
+            if self.is_eager(opt):
+                continue
+            why = None
+            if isinstance(error, HostSyncError) and any(opt is o for o in self.observer.interrupted):
+                why = f"its step reads the host, which a graph cannot record: {str(error).splitlines()[0]}"
+            elif isinstance(error, PythonWriteError):
+                why = self.observer.reason(opt)
+            if why:
+                self.move_to_eager([opt], why)
+                moved = True
+        return moved
 
     def is_eager(self, opt: torch.optim.Optimizer) -> bool:
         return any(opt is o for o in self.eager)

@@ -136,6 +136,8 @@ class Observed:
 
     changes: list[str]
     seconds: float
+    during: str
+    """Which call it was seen in ("the last warm-up", "the capture")."""
 
 
 class StepObserver:
@@ -147,9 +149,17 @@ class StepObserver:
         self.host_tensors = host_tensors
         self.seen: dict[int, Observed] = {}
         self._pending: dict[int, tuple[dict[str, Any], float]] = {}
+        self.interrupted: list[torch.optim.Optimizer] = []
+        self.during = "the last warm-up"
+        """The optimizers whose step raised inside the last `watching` (their post-hook never ran)."""
 
     @contextmanager
-    def watching(self, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[StepObserver]:
+    def watching(
+        self, optimizers: Iterable[torch.optim.Optimizer], during: str = "the last warm-up"
+    ) -> Iterator[StepObserver]:
+        """Observe the steps of `optimizers` while inside; `during` names the call in log lines."""
+        optimizers = list(optimizers)
+        self.during = during
         handles, wrapped = [], []
         for opt in optimizers:
             if hasattr(opt, "_optimizer_step_pre_hooks"):
@@ -159,9 +169,12 @@ class StepObserver:
                 wrapped.append((opt, opt.__dict__.get("step")))
                 opt.step = functools.partial(self._observed, opt, opt.step)
         self._pending = {}
+        self.interrupted = []
         try:
             yield self
         finally:
+            # A step that raised (a host sync while capturing) left its entry behind.
+            self.interrupted = [opt for opt in optimizers if id(opt) in self._pending]
             for handle in handles:
                 handle.remove()
             for opt, before in wrapped:
@@ -186,7 +199,8 @@ class StepObserver:
             return
         before, start = started
         seconds = time.perf_counter() - start
-        self.seen[id(opt)] = Observed(changes(before, values(opt, host_tensors=self.host_tensors)), seconds)
+        after = values(opt, host_tensors=self.host_tensors)
+        self.seen[id(opt)] = Observed(changes(before, after), seconds, self.during)
 
     def reason(self, opt: torch.optim.Optimizer) -> str | None:
         """Why `opt`'s step cannot be in a graph, from its last observed step, or None."""
@@ -199,6 +213,6 @@ class StepObserver:
         return (
             "its step() changes Python values it keeps, which a graph would freeze at their capture values: "
             + "; ".join(listed)
-            + f" (its step took {observed.seconds * 1e3:.2f} ms on the host in the last warm-up; as an eager "
+            + f" (its step took {observed.seconds * 1e3:.2f} ms on the host in {observed.during}; as an eager "
             "segment it runs on every call)"
         )
