@@ -8,6 +8,7 @@ from .config import Config
 from .diagnostics import StepStats
 from .errors import GraphStepError
 from .explain import Explanation, explain
+from .guards import unchanging
 
 __all__ = [
     # the verb and its configuration
@@ -23,6 +24,8 @@ __all__ = [
     # looking before capturing
     "explain",
     "Explanation",
+    # an object the step reads that never changes between calls (not read by content, not named)
+    "unchanging",
     # errors
     "GraphStepError",
     "errors",

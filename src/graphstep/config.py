@@ -87,6 +87,15 @@ class Config:
     again. True: such writes happen in warm-up and at capture only, as for any Python in the step; for
     writes that change nothing the step computes (a debug note, a flag set to the same value)."""
 
+    strict_reads: bool = False
+    """False: an object the step's code reads whose contents no guard can watch — an object of a
+    library class that is no config graphstep knows (OmegaConf, ml_collections, pydantic, attrs,
+    argparse, any Mapping or Sequence are read by content, like dicts and dataclasses), an object of
+    a C type, a NumPy array, a container of more than 1,000 entries — is named, with the line that
+    read it, in one warning at capture; a change to it between calls is not seen. True: such a read
+    fails the capture with an `UnwatchedReadError` (rolled back like any failed capture). Objects
+    marked with `graphstep.unchanging(obj)` are accepted either way."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
             raise ValueError(
@@ -102,10 +111,9 @@ class Config:
         _check_choice("on_recapture_limit", self.on_recapture_limit, Fallback)
         _check_choice("optimizer_mode", self.optimizer_mode, OptimizerMode)
         _check_choice("verify_against", self.verify_against, VerifyAgainst)
-        if not isinstance(self.allow_python_writes, bool):
-            raise ValueError(
-                f"Config.allow_python_writes must be True or False, got {self.allow_python_writes!r}."
-            )
+        for name in ("allow_python_writes", "strict_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name} must be True or False, got {getattr(self, name)!r}.")
         for name in ("max_recaptures", "verify_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

@@ -20,6 +20,12 @@ class PythonWriteError(CaptureError):
     appends to): a replay runs no Python, so it would never write it again. The writes were undone."""
 
 
+class UnwatchedReadError(CaptureError):
+    """With `Config(strict_reads=True)`: the step's code reads an object whose contents no guard can
+    watch (a library object that is no config, an object of a C type): a change to it between calls
+    would not reach the graph. The capture was rolled back."""
+
+
 class HostRandomError(CaptureError):
     """The step drew random numbers on the host while it was captured (Python's `random`, NumPy,
     a CPU `torch.Generator`): every replay would repeat that one draw."""

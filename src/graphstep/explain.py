@@ -5,9 +5,10 @@ back afterwards) and reports: which inputs are copied into static buffers and wh
 values become part of the graph's key, which state the guards will watch, and the hazards it
 finds: host syncs and random draws on the host (with the user's line), CPU tensors next to GPU
 ones, module hooks (they run only at capture), optimizers it refuses or runs eagerly, numbers in
-the key that may change, objects the step's code reads whose contents no guard watches (a dict
-or a plain object of settings), and Python state the step itself writes (a replay does not
-write it).
+the key that may change, objects the step's code reads whose contents no guard watches (a
+container of more than 1,000 entries, an object of a library class that is no config; each with the
+line that read it), and Python
+state the step itself writes (a replay does not write it).
 """
 
 from __future__ import annotations
@@ -181,9 +182,10 @@ def _read_hazards(
             "only the step function's own are guarded"
         )
     hazards += [
-        f"{what}, read by the step: a change to it is not seen. Keep such numbers in plain "
-        "containers, dataclass fields or globals of their own, or pass them as tensors"
-        for what in guard.unguarded + guard.contents.unguarded
+        f"{what}: a change to it between calls is not seen (Config(strict_reads=True) refuses it at "
+        "capture). Keep such numbers in dicts, dataclasses, config objects or globals of their own, pass "
+        "them as tensors, or mark an object that never changes with graphstep.unchanging(obj)"
+        for what in guard.unwatched
     ]
     names = {id(m): n for prefix, root in state.named_modules_roots() for n, m in _named(prefix, root)}
     written = [

@@ -433,19 +433,35 @@ def capture_variant(
         captured["ring"] = output_ring.record(ring, captured["tensors"], written=backend.capture_executes)
         return outputs
 
-    recording, error = None, None
+    recording, error, guard = None, None, None
     try:
         # What the step's Python reads, its non-tensor arguments' contents included.
         with ranged("graphstep.capture"), ReadWatch(sig.non_tensor_arguments(args, kwargs)) as watch:
             recording = backend.capture(body, args, kwargs, ctx.generators)
+        if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
+            guard = StateGuard(
+                ctx.state,
+                ctx.fn,
+                strict=ctx.config.check == "strict",
+                grads_before=snapshot.grads,
+                reads=watch.reads,
+                eager_optimizers=ctx.modes.eager,
+                unbaked=ctx.optim.can_stay_in_graph,
+            )
+            # Before the ranks agree: a read strict_reads refuses fails the capture on every rank.
+            guard.reads.report_unwatched(ctx.name, strict=ctx.config.strict_reads)
     except BaseException as exc:
         error = exc
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
         failed = ctx.ranks.capture_failure(ctx.name, error)
         if failed is not None and error is None:
-            recording.release()
             error = failed
     if error is not None:
+        if recording is not None:  # the backend captured, then a read or another rank failed it
+            undo = getattr(recording, "undo", None)
+            recording.release()
+            if undo is not None:
+                undo()
         snapshot.restore()
         python.roll_back()
         if not isinstance(error, Exception):
@@ -458,23 +474,12 @@ def capture_variant(
             raise error
         raise converted from error
     if isinstance(recording, PartsRecording):
+        recording.undo = None  # accepted: the writes it could take back are the step's
         recording.segments = captured["segments"]
         recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
         recording.host_draws = captured.get("host_draws", [])
         recording.ring = captured["ring"]
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
-    guard = None
-    if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
-        guard = StateGuard(
-            ctx.state,
-            ctx.fn,
-            strict=ctx.config.check == "strict",
-            grads_before=snapshot.grads,
-            reads=watch.reads,
-            eager_optimizers=ctx.modes.eager,
-            unbaked=ctx.optim.can_stay_in_graph,
-        )
-        guard.reads.log_unguarded(ctx.name)
     if isinstance(backend, CudaGraphBackend):
         torch.cuda.synchronize(backend.index)
     ctx.stats.captures += 1

@@ -54,6 +54,10 @@ class PartsRecording:
         host generators advance as eager's do (see `effects/host_random.py`)."""
         self.ring: Any = None
         """The output ring the last part writes (see `output_ring.py`), or None."""
+        self.undo: Callable[[], None] | None = None
+        """Takes back the tensor writes of a capture that executed the step (the recording backend),
+        should the capture fail after the backend returned (another rank failed, a refused read);
+        None once the capture is accepted, or where the capture executed nothing (CUDA)."""
 
     def launch(self) -> None:
         """The parts alone, for a step without eager segments: the output ring's turn (the slot the

@@ -119,6 +119,7 @@ class RecordingBackend(HostBackend):
         recording = PartsRecording([functools.partial(_replay_ops, ops) for ops in recorder.parts], _nothing)
         # The outputs share storage with the recorded buffers that replays overwrite.
         recording.outputs = outputs
+        recording.undo = recorder.roll_back  # until the capture is accepted (lifecycle.py)
         return recording
 
 

@@ -6,10 +6,11 @@ A binding guard (reads.py) sees that `CFG` still refers to the same dict; it can
 keep the old number. `Contents` takes, at capture, a value snapshot of everything reachable from a
 value the step read (a *root*: a global, a closure cell, a default argument, a module's attribute,
 a non-tensor argument) through lists, tuples, dicts, sets, deques, `SimpleNamespace`, dataclass
-instances and objects of the user's own classes, to any depth, and checks before each replay that
-it still holds: numbers, strings and other simple values by value (and type), tensors, modules,
-functions and other objects by identity. A root whose value changed picks a graph variant (or
-captures one); a value changed back picks the old graph again.
+instances, objects of the user's own classes and config objects of libraries (OmegaConf,
+ml_collections, pydantic, attrs, argparse, any Mapping or Sequence: configs.py), to any depth, and
+checks before each replay that it still holds: numbers, strings and other simple values by value
+(and type), tensors, modules, functions and other objects by identity. A root whose value changed
+picks a graph variant (or captures one); a value changed back picks the old graph again.
 
 Which attributes of an object of the user's own class are guarded: those whose names the user's
 code that ran loads (`obj.weight`), so that a counter the training loop keeps on the same object
@@ -23,10 +24,13 @@ left out and reported as written (a replay does not write them; see `snapshot`).
 Cost per replay: nothing for dicts (object attributes included) from Python 3.12 while none of them
 changed, when the C++ helper is built (PEP 699 dict watchers, `fastcheck.py`); otherwise, and for
 lists, sets and deques, one identity pass over each container's items in C (`map(operator.is_)`).
-Only after a change is a root walked again and compared by value; an equal value is adopted.
+Only after a change is a root walked again and compared by value; an equal value is adopted. Config
+objects read through their protocol (configs.py) add a check per replay that reads them again; a
+read that builds a new object each time (not a number or string) walks its root again on every replay.
 
-Not guarded, and named once in a log line at capture: a root of more than `MAX_ENTRIES` entries,
-and objects graphstep cannot see into (instances of library classes, NumPy arrays, bytearrays).
+Not guarded, and named once in a log line at capture (refused with `Config(strict_reads=True)`): a
+root of more than `MAX_ENTRIES` entries, and objects graphstep cannot see into (walk.py's `opaque`:
+instances of library classes that are no config, NumPy arrays, bytearrays).
 Also not seen: class attributes read through an instance, an object's `__dict__` replaced
 wholesale, and `OrderedDict.move_to_end` (an order change without a dict event) from Python 3.12.
 """
@@ -81,21 +85,33 @@ class Contents:
     # -- building ---------------------------------------------------------------------------------
 
     def add(
-        self, label: str, value: Any, *, ns: dict | None = None, name: str = "", cell: Any = None
+        self,
+        label: str,
+        value: Any,
+        *,
+        ns: dict | None = None,
+        name: str = "",
+        cell: Any = None,
+        site: str = "",
     ) -> bool:
         """Guard the contents of `value` (read through `ns[name]` or `cell`, if given: a rebinding
         to an equal value is adopted). False: compare the binding by identity instead (`value` is no
-        container, or another root guards its contents already)."""
+        container, or another root guards its contents already). `site`: the user's line that read
+        it, for what cannot be guarded."""
         if not walkable(value, self.names) or id(value) in self._ids:
             return False
         walk = Walk(self.names, self.before, label)
+        read_at = f"; read at {site}" if site else ""
         try:
             frozen = walk.freeze(value, "")
         except TooLarge:
-            self.unguarded.append(f"{label} ({type(value).__qualname__}): more than {MAX_ENTRIES} entries")
+            self.unguarded.append(
+                f"{label} ({type(value).__qualname__}): more than {MAX_ENTRIES} entries{read_at}"
+            )
             return False
         self.unguarded += [
-            f"{where} ({type(obj).__qualname__}): graphstep cannot see into it" for where, obj in walk.opaque
+            f"{where} ({type(obj).__qualname__}): graphstep cannot see into it{read_at}"
+            for where, obj in walk.opaque
         ]
         self.written += walk.written
         self.found += walk.found
@@ -113,6 +129,8 @@ class Contents:
         """The flat lists `holds()` runs over, from every root's walk (again, after an adoption)."""
         self.watch = None
         self.dicts, self.seqs, self.subsets, self.watched_dicts, self.watched_subsets = [], [], [], [], []
+        self.stores: list[tuple[_Root, tuple, str, tuple]] = []
+        self.calls: list[tuple[_Root, Any]] = []
         for root in self.roots:
             self._index_root(root)
 
@@ -129,6 +147,8 @@ class Contents:
             into = self.watched_subsets if id(owner) in watched else self.subsets
             into.append((root, get, keys, values))
         self.seqs += [(root, c, items) for c, items in w.seqs]
+        self.stores += [(root, *store) for store in w.stores]
+        self.calls += [(root, call) for call in w.calls]
 
     # -- the check on every replay ------------------------------------------------------------
 
@@ -141,22 +161,31 @@ class Contents:
             now = cell_value(cell)
             if now is not root.value and not self._adopt(root, now):
                 return False
-        changed = _changed(self.dicts, self.subsets, self.seqs)
-        if changed is not None:
-            return self._settle(changed)
+        settled: set[int] = set()
+        if not self._settle(False, settled):
+            return False
         watch = self.watch
         if watch is not None and watch.changed():
-            changed = _changed(self.watched_dicts, self.watched_subsets, ())
-            if changed is not None:
-                return self._settle(changed)
-            watch.clear()
+            if not self._settle(True, settled):
+                return False
+            self.watch.clear()  # (a new watch, where a root was adopted)
         return True
 
-    def _settle(self, root: _Root) -> bool:
-        """A container of `root` changed: equal by value, the new objects are adopted; else False."""
-        if not self._adopt(root, root.value):
-            return False
-        return self.holds()  # the lists were renewed: check the rest again
+    def _settle(self, watched: bool, settled: set[int]) -> bool:
+        """Each container (of the watched dicts, or of the others) is what the graph saw: where one
+        is not, its root is walked again, and adopted where equal by value; else False. A root adopted
+        is not checked again in this call: a read that builds a new object each time (a config's
+        computed entry) would fail its identity check again, though its value is equal."""
+        while True:
+            if watched:
+                root = _changed(self.watched_dicts, self.watched_subsets, (), (), (), settled)
+            else:
+                root = _changed(self.dicts, self.subsets, self.seqs, self.stores, self.calls, settled)
+            if root is None:
+                return True
+            if not self._adopt(root, root.value):
+                return False
+            settled.add(id(root))  # the lists were renewed: the loop checks the rest again
 
     def _adopt(self, root: _Root, now: Any) -> bool:
         walk = Walk(self.names, {}, root.label, root.walk.skip)
@@ -194,6 +223,9 @@ class Contents:
             else:
                 return None
         out += [(fastcheck.ITEMS, c, items, None) for _, c, items in self.seqs]
+        for _, dicts, name, values in self.stores:
+            out += [(fastcheck.ITEM, d, name, v) for d, v in zip(dicts, values)]
+        out += [(fastcheck.TRUE, call, None, None) for _, call in self.calls]
         if self.watch is not None:
             out.append((fastcheck.FALSE, self.watch.changed, None, None))
         return out
@@ -228,16 +260,27 @@ class Contents:
         ]
 
 
-def _changed(dicts: list, subsets: list, seqs: list) -> _Root | None:
-    """The root of the first container whose entries are not the objects seen last, if any."""
+def _changed(
+    dicts: list, subsets: list, seqs: list, stores: list, calls: list, settled: set[int]
+) -> _Root | None:
+    """The root of the first container whose entries are not the objects seen last (or of a config
+    check that fails), if any; roots in `settled` were just adopted and are passed over."""
     is_ = operator.is_
     for root, d, keys, values in dicts:
-        if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
+        same = len(d) == len(keys) and all(map(is_, d.values(), values)) and all(map(is_, d, keys))
+        if not same and id(root) not in settled:
             return root
     for root, get, keys, values in subsets:
-        if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
+        if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)) and id(root) not in settled:
             return root
     for root, c, items in seqs:
-        if len(c) != len(items) or not all(map(is_, c, items)):
+        if (len(c) != len(items) or not all(map(is_, c, items))) and id(root) not in settled:
+            return root
+    for root, dicts, name, values in stores:
+        now = map(dict.get, dicts, itertools.repeat(name), itertools.repeat(MISSING))
+        if not all(map(is_, now, values)) and id(root) not in settled:
+            return root
+    for root, call in calls:
+        if not call() and id(root) not in settled:
             return root
     return None

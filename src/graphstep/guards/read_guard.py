@@ -1,6 +1,12 @@
 """`ReadGuard`: the values the step's Python read (see reads.py), as a graph saw them, and the check
 on every replay that they still are: bindings by identity (then by value for simple values), the
-containers they hold by content (contents.py)."""
+containers and config objects they hold by content (contents.py, configs.py).
+
+What no guard can watch (walk.py's `opaque`: an object the guard compares by identity though its
+contents may hold a number the graph bakes in; a container past `MAX_ENTRIES`) is named with the
+user's line that read it: in one warning at capture, or, with `Config(strict_reads=True)`, in an
+`UnwatchedReadError` that fails the capture.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,17 @@ import logging
 import operator
 from typing import Any
 
+from ..errors import UnwatchedReadError
 from . import contents, fastcheck
 from .barriers import MISSING, cell_value, change, is_simple
-from .reads import Reads
+from .reads import Reads, site
 
 log = logging.getLogger("graphstep")
 
 _cell_contents = operator.attrgetter("cell_contents")
 
 _named: set[str] = set()
-"""What `log_unguarded` has named in this process (each is named once)."""
+"""What `report_unwatched` has named in this process (each is named once)."""
 
 
 class ReadGuard:
@@ -32,20 +39,23 @@ class ReadGuard:
 
     def __init__(self, reads: Reads, owners: dict[int, str] | None = None):
         self.contents = contents.Contents(reads.attribute_names, reads.before)
+        sites = {key: site(*where) for key, where in reads.sites.items()}
         self.globals = []
         for label, ns, name in reads.globals:
             value = ns.get(name, MISSING)
-            if not self.contents.add(label, value, ns=ns, name=name):
+            if not self.contents.add(label, value, ns=ns, name=name, site=sites.get(label, "")):
                 self.globals.append((label, ns, name, value, is_simple(value)))
         self.cells = []
         for label, cell in reads.cells:
             value = cell_value(cell)
-            if not self.contents.add(label, value, cell=cell):
+            if not self.contents.add(label, value, cell=cell, site=sites.get(label, "")):
                 self.cells.append((label, cell, value, is_simple(value)))
         owners = owners or {}
         for owner, name in reads.attributes:
             where = owners.get(id(owner)) or f"a {type(owner).__qualname__}"
-            self.contents.add(f"{where}.{name}", vars(owner).get(name, MISSING), ns=vars(owner), name=name)
+            value = vars(owner).get(name, MISSING)
+            read_at = sites.get((id(owner), name), "")
+            self.contents.add(f"{where}.{name}", value, ns=vars(owner), name=name, site=read_at)
         for label, value in reads.defaults + reads.arguments:
             self.contents.add(label, value)
         self.contents.before = {}  # its ids are valid only while `reads` keeps the objects alive
@@ -53,7 +63,8 @@ class ReadGuard:
         self.modules = reads.modules
         self.unguarded = [
             f"{label} ({type(value).__qualname__}): graphstep cannot see into it"
-            for label, value in self.objects()
+            + (f"; read at {sites[label]}" if label in sites else "")
+            for label, value in self.objects() + reads.opaque
             if contents.opaque(value)
         ]
 
@@ -80,14 +91,22 @@ class ReadGuard:
         if contents.is_data(value):
             self.contents.add(label, value)
 
-    def log_unguarded(self, step: str) -> None:
-        """Name, once per process, what the step reads that no guard can watch."""
-        new = [u for u in self.unguarded + self.contents.unguarded if u not in _named]
+    @property
+    def unwatched(self) -> list[str]:
+        """What the step reads that no guard can watch, each with where it was read."""
+        return self.unguarded + self.contents.unguarded
+
+    def report_unwatched(self, step: str, *, strict: bool) -> None:
+        """Name what the step reads that no guard can watch: in one warning (each object once per
+        process), or, when `strict` (`Config.strict_reads`), in an `UnwatchedReadError`."""
+        if strict and self.unwatched:
+            raise UnwatchedReadError(unwatched_message(step, self.unwatched))
+        new = [u for u in self.unwatched if u not in _named]
         if new:
             _named.update(new)
             log.warning(
                 "graphstep: %s reads values whose contents no guard watches; a change to them between "
-                "calls is not seen by the graph:\n%s",
+                "calls is not seen by the graph (Config(strict_reads=True) makes this an error):\n%s",
                 step,
                 "\n".join(f"  - {u}" for u in new),
             )
@@ -165,3 +184,17 @@ class ReadGuard:
         current += [(label, cell_value(cell), value, by_value) for label, cell, value, by_value in self.cells]
         found = [d for label, now, value, by_value in current if (d := change(label, value, now, by_value))]
         return found + self.contents.changes()
+
+
+def unwatched_message(step: str, unwatched: list[str]) -> str:
+    listed = "\n".join(f"  - {u}" for u in unwatched)
+    return (
+        f"capturing {step} refused (Config(strict_reads=True)): its code reads objects whose contents no "
+        "guard can watch, so a change to them between calls would not reach the graph, whose replays "
+        f"keep what the capture read:\n{listed}\n"
+        "Pass such a number as a tensor (a 0-d device tensor updated in place, or an argument), keep it "
+        "in a dict, a dataclass or a config object graphstep reads by content (OmegaConf, ml_collections, "
+        "pydantic, attrs, argparse.Namespace), or, if it never changes between calls, mark it with "
+        "`graphstep.unchanging(obj)`. Nothing was lost: the model, optimizer and RNG are as the last "
+        "warm-up left them."
+    )

@@ -32,6 +32,7 @@ import dis
 import functools
 import gc
 import inspect
+import linecache
 import logging
 import os
 import sys
@@ -60,6 +61,8 @@ class _CodeFacts:
     object_attributes: tuple[tuple[str, str, str], ...]
     """(how, variable, attribute) for `self.cfg`, `model.weights`: how is "fast" (a local or an
     argument), "deref" (a closure variable) or "global"."""
+    lines: dict[tuple[str, str], int] = dataclasses.field(compare=False)
+    """The first line that loads a name: ("g", global), ("d", closure variable), ("a", attribute)."""
 
 
 _LOADS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "deref"}
@@ -75,11 +78,21 @@ def _loaded(ins: dis.Instruction) -> tuple[str, str] | None:
     return None
 
 
+_LINE_KINDS = {"LOAD_GLOBAL": "g", "LOAD_NAME": "g", "LOAD_DEREF": "d", "LOAD_ATTR": "a", "LOAD_METHOD": "a"}
+
+
 @functools.lru_cache(maxsize=8192)
 def _facts(code: types.CodeType) -> _CodeFacts:
     read, written, cells, attributes, loaded, pairs = [], set(), set(), [], set(), []
-    previous = None
+    previous, line, lines = None, code.co_firstlineno, {}
     for ins in dis.get_instructions(code):
+        positions = getattr(ins, "positions", None)  # 3.11+; before, the line an instruction starts
+        if positions is not None and positions.lineno is not None:
+            line = positions.lineno
+        elif type(ins.starts_line) is int:
+            line = ins.starts_line
+        if ins.opname in _LINE_KINDS and isinstance(ins.argval, str):
+            lines.setdefault((_LINE_KINDS[ins.opname], ins.argval), line)
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval not in read:
             read.append(ins.argval)
         elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
@@ -96,8 +109,24 @@ def _facts(code: types.CodeType) -> _CodeFacts:
         if ins.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL"):
             previous = ins
     return _CodeFacts(
-        tuple(read), frozenset(written), frozenset(cells), tuple(attributes), frozenset(loaded), tuple(pairs)
+        tuple(read),
+        frozenset(written),
+        frozenset(cells),
+        tuple(attributes),
+        frozenset(loaded),
+        tuple(pairs),
+        lines,
     )
+
+
+def site(code: types.CodeType, line: int) -> str:
+    """`file:line in function: source`, as graphstep's errors name the user's line."""
+    source = linecache.getline(code.co_filename, line).strip()
+    return f"{code.co_filename}:{line} in {code.co_name}: `{source}`"
+
+
+def _line(code: types.CodeType, kind: str, name: str) -> tuple[types.CodeType, int]:
+    return code, _facts(code).lines.get((kind, name), code.co_firstlineno)
 
 
 def _user_module_namespace(value: Any) -> dict | None:
@@ -108,15 +137,16 @@ def _user_module_namespace(value: Any) -> dict | None:
     return vars(value) if isinstance(file, str) and is_user_file(file) else None
 
 
-def _global_locations(code: types.CodeType, namespace: dict) -> Iterator[tuple[dict, str]]:
-    """Where `code` loads globals from: its module's namespace, and user modules' attributes."""
+def _global_locations(code: types.CodeType, namespace: dict) -> Iterator[tuple[dict, str, tuple]]:
+    """Where `code` loads globals from: its module's namespace, and user modules' attributes; each
+    with the line that loads it first (`_line`)."""
     facts = _facts(code)
     for name in facts.globals_read:
-        yield namespace, name
+        yield namespace, name, _line(code, "g", name)
     for name, attribute in facts.module_attributes:
         module_namespace = _user_module_namespace(namespace.get(name))
         if module_namespace is not None and attribute in module_namespace:
-            yield module_namespace, attribute
+            yield module_namespace, attribute, _line(code, "a", attribute)
 
 
 def _file_label(namespace: dict) -> str:
@@ -152,6 +182,11 @@ class Reads:
     """Modules whose user-written methods ran (`self`), which the step may not name otherwise."""
     before: dict[int, Any] = dataclasses.field(default_factory=dict)
     """`contents.snapshot`s of the containers read, taken before the step could write them."""
+    opaque: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    """(label, value): the step's non-tensor arguments whose contents no guard can see (`contents.opaque`)."""
+    sites: dict[Any, tuple[types.CodeType, int]] = dataclasses.field(default_factory=dict)
+    """Where user code first read a value: by label (globals, closure variables), or by
+    (id(owner), name) for `reads.attributes`; (code, line) for `site()`."""
 
     @classmethod
     def of_function(cls, fn: Callable) -> Reads:
@@ -165,12 +200,13 @@ class Reads:
         reads = cls(functions=[_describe_code(code)], attribute_names=names)
         written = set().union(*(_facts(c).globals_written for c in codes))
         for c in codes:
-            for ns, name in _global_locations(c, namespace):
+            for ns, name, line in _global_locations(c, namespace):
                 label = f"global {name!r} in {_file_label(ns)}"
                 if ns is namespace and name in written:
                     reads.written.append(label)
                 elif name in ns and all(name != n or ns is not other for _, other, n in reads.globals):
                     reads.globals.append((label, ns, name))
+                    reads.sites[label] = line
         cells_written = _facts(code).cells_written
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             label = f"closure variable {name!r} of {fn.__qualname__}"
@@ -178,6 +214,7 @@ class Reads:
                 reads.written.append(label)
             elif name != "__class__":
                 reads.cells.append((label, cell))
+                reads.sites[label] = _line(code, "d", name)
         return reads
 
 
@@ -195,12 +232,16 @@ class ReadWatch:
     """
 
     def __init__(self, arguments: list[tuple[str, Any]] = ()) -> None:
-        self.reads = Reads(arguments=[(label, v) for label, v in arguments if contents.walkable(v, None)])
+        self.reads = Reads(
+            arguments=[(label, v) for label, v in arguments if contents.walkable(v, None)],
+            opaque=[(label, v) for label, v in arguments if contents.opaque(v)],
+        )
         self._names: set[str] = set()
         self._owners: dict[tuple[int, str], tuple[Any, str]] = {}
         self._modules: dict[int, nn.Module] = {}
         self._codes: dict[types.CodeType, bool] = {}  # code -> is user code
         self._namespaces: dict[tuple[int, str], tuple[dict, str]] = {}
+        self._sites: dict[Any, tuple[types.CodeType, int]] = {}  # see `Reads.sites`
         self._written_globals: set[tuple[int, str]] = set()
         self._closures: dict[types.CodeType, set[tuple[int, ...]]] = {}
         """Codes of closures that ran, with the ids of their cells' contents in each run."""
@@ -262,8 +303,9 @@ class ReadWatch:
         facts = _facts(code)
         namespace = frame.f_globals
         before = self.reads.before
-        for ns, name in _global_locations(code, namespace):
+        for ns, name, line in _global_locations(code, namespace):
             self._namespaces.setdefault((id(ns), name), (ns, name))
+            self._sites.setdefault((id(ns), name), line)
             contents.snapshot(ns.get(name), before)
         self._written_globals.update((id(namespace), n) for n in facts.globals_written)
         local = frame.f_locals
@@ -275,13 +317,13 @@ class ReadWatch:
         for how, variable, attribute in facts.object_attributes:
             owner = namespace.get(variable) if how == "global" else local.get(variable)
             if how == "fast" or isinstance(owner, nn.Module):  # other objects are walked as globals or cells
-                self._attribute(owner, attribute)
+                self._attribute(owner, attribute, _line(code, "a", attribute))
         if code.co_argcount or code.co_kwonlyargcount:
             self._defaults(frame, code)
         self.reads.functions.append(_describe_code(code))
 
-    def _attribute(self, owner: Any, attribute: str) -> None:
-        """`owner.attribute` loaded by user code: a container there is guarded by content."""
+    def _attribute(self, owner: Any, attribute: str, line: tuple[types.CodeType, int]) -> None:
+        """`owner.attribute` loaded by user code (at `line`): a container there is guarded by content."""
         if isinstance(owner, nn.Module):
             self._modules.setdefault(id(owner), owner)
         elif owner is None or isinstance(owner, contents.IDENTITY_OK) or not hasattr(owner, "__dict__"):
@@ -289,6 +331,7 @@ class ReadWatch:
         value = vars(owner).get(attribute, MISSING)
         if contents.walkable(value, None) and (id(owner), attribute) not in self._owners:
             self._owners[(id(owner), attribute)] = (owner, attribute)
+            self.reads.sites[(id(owner), attribute)] = line
             contents.snapshot(value, self.reads.before)
 
     def _defaults(self, frame: types.FrameType, code: types.CodeType) -> None:
@@ -313,6 +356,7 @@ class ReadWatch:
                 reads.written.append(label)
             elif name in namespace:  # otherwise a builtin
                 reads.globals.append((label, namespace, name))
+                reads.sites[label] = self._sites[key]
         reads.module_writes = frozenset(self._module_writes)
         reads.attribute_names = frozenset(self._names)
         reads.attributes = [a for key, a in self._owners.items() if key not in reads.module_writes]
@@ -346,6 +390,7 @@ class ReadWatch:
                         reads.written.append(label)
                     else:
                         reads.cells.append((label, cell))
+                        reads.sites[label] = _line(code, "d", name)
 
 
 def _caller_function(frame: types.FrameType, code: types.CodeType, values: tuple[int, ...]) -> Any:

@@ -2,28 +2,38 @@
 
 `Walk.freeze(value)` turns a value into nested tuples that compare equal exactly when the contents
 do: simple values by type and value, containers by their entries in order (sets unordered), objects
-of data classes and the user's own classes by their attributes, anything else by identity (ids of
+of data classes and the user's own classes by their attributes, config objects of libraries and
+other Mappings and Sequences by their entries (configs.py), anything else by identity (ids of
 objects the walk keeps alive). It also notes, for the per-replay check, each mutable container's
 items as they are, so that a check can tell by identity alone that nothing changed.
+
+What a walk compares by identity though it may hold numbers the step bakes in cannot be watched
+(`opaque()`): named at capture, refused with `Config(strict_reads=True)`. `unchanging(obj)` marks an
+object the user promises not to change between calls (compared by identity, never named).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import functools
 import io
 import logging
+import numbers
 import operator
+import pathlib
 import re
 import sys
 import types
+import uuid
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import configs
 from .barriers import MISSING, describe, is_simple
 from .user_code import is_user_class
 
@@ -46,16 +56,48 @@ IDENTITY_OK = (
 """Objects whose identity is all a graph depends on (their own state is guarded elsewhere, or is code)."""
 _HARMLESS = (logging.Logger, logging.LoggerAdapter, re.Pattern, range, slice, io.IOBase, weakref.ref)
 """Library objects a step reads that hold no number a graph bakes in: compared by identity, not named."""
+_IMMUTABLE = (numbers.Number, datetime.date, datetime.time, datetime.timedelta, pathlib.PurePath, uuid.UUID)
+"""Values that cannot change in place (a Decimal, a NumPy scalar, a date): their identity is their
+contents, so a binding compared by identity watches them whole; not named."""
 _WATCH_OBJECT_DICTS = sys.version_info < (3, 13)
 """From Python 3.13 an ordinary object's attribute write can skip its materialised `__dict__`'s
 watchers (inline values): those dicts are compared on every replay instead. SimpleNamespace keeps a
 real dict and is watched."""
 
 
+_UNCHANGING: dict[int, Any] = {}
+"""id -> a callable giving the object back (a weak reference where it takes one), for `unchanging`."""
+
+
+def unchanging(obj: Any) -> Any:
+    """Mark `obj` as unchanging between calls of any captured step, and return it.
+
+    The guards then compare it by identity only: they neither read its contents (a config object or
+    container the step reads) nor name it as an object they cannot see into, and
+    `Config(strict_reads=True)` accepts it. Changing it between calls is then yours to avoid: a
+    replay keeps what the capture read. An object that takes no weak reference is kept alive.
+    """
+    key = id(obj)
+    try:
+        _UNCHANGING[key] = weakref.ref(obj, lambda _, key=key: _UNCHANGING.pop(key, None))
+    except TypeError:
+        _UNCHANGING[key] = lambda: obj
+    return obj
+
+
+def is_unchanging(value: Any) -> bool:
+    ref = _UNCHANGING.get(id(value)) if _UNCHANGING else None
+    return ref is not None and ref() is value
+
+
 def _is_fields(value: Any) -> bool:
-    """Data objects guarded whole: SimpleNamespace and dataclass instances."""
-    return isinstance(value, types.SimpleNamespace) or (
-        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    """Data objects guarded whole: SimpleNamespace, argparse.Namespace, dataclass, attrs and pydantic
+    instances."""
+    return (
+        isinstance(value, types.SimpleNamespace)
+        or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+        or configs.is_namespace(value)
+        or configs.field_names(value) is not None
     )
 
 
@@ -71,6 +113,9 @@ def _slots(cls: type) -> tuple[str, ...]:
 
 def _attributes(value: Any, names: frozenset[str] | None) -> dict[str, Any] | None:
     """The attributes of a data object or a user object that are guarded (None: not such an object)."""
+    declared = configs.field_names(value)
+    if declared is not None:  # attrs, pydantic: the fields the class declares
+        return {n: getattr(value, n, MISSING) for n in declared}
     if not (_is_fields(value) or is_user_class(type(value))):
         return None
     found = dict(vars(value)) if hasattr(value, "__dict__") else {}
@@ -105,6 +150,9 @@ class Walk:
         self.dicts: list[tuple[dict, tuple, tuple]] = []  # whole dicts: keys and values in order
         self.seqs: list[tuple[Any, tuple]] = []  # lists, deques, sets: items in order
         self.subsets: list[tuple[Any, tuple, tuple]] = []  # (getter, keys, values): chosen keys only
+        self.stores: list[tuple[tuple, str, tuple]] = []  # (dicts, name, values): config nodes' storage
+        self.calls: list[Any] = []  # checks that read a config again (configs.py): True while it holds
+        self.trees: dict[int, bool] = {}  # OmegaConf roots whose storage is compared (False: too large)
         self.watchable: list[dict] = []  # the dicts behind `dicts` and `subsets` (not their getters)
         self.opaque: list[tuple[str, Any]] = []
         self.found: list[tuple[str, Any]] = []  # modules and tensors inside containers
@@ -120,9 +168,13 @@ class Walk:
             return self._identity(value)
         if value is MISSING:
             return ("v", None, None)
+        if t is configs.Unreadable:
+            return ("v", configs.Unreadable, value.error)
         i = id(value)
         if i in self.seen:
             return ("ref", i)
+        if is_unchanging(value):
+            return self._identity(value)
         if isinstance(value, dict):
             watch = not isinstance(value, collections.OrderedDict)  # move_to_end is no dict event
             return self._mapping(value, value, "d", path, whole=True, watch=watch)
@@ -130,6 +182,9 @@ class Walk:
             return self._items(value, path)
         if is_simple(value):
             return ("v", t, value)
+        view = configs.view(value)
+        if view is not None:
+            return self._config(value, view, path)
         attributes = _attributes(value, self.names)
         if attributes is not None:
             self.seen.add(i)
@@ -143,9 +198,41 @@ class Walk:
                     self._mapping(vars(value), attributes, "a", path, whole=whole, watch=watch)[2],
                 )
             return ("o", t, self._attribute_items(value, attributes, path))
-        if not (callable(value) or isinstance(value, _HARMLESS)):
+        if _unseen(value):
             self.opaque.append((at(self.label, path), value))
         return self._identity(value)
+
+    def _config(self, value: Any, view: configs.View, path: str) -> Any:
+        """A config object, Mapping or Sequence, by the entries `configs.view` read from it."""
+        self.seen.add(id(value))
+        self.kept.append(value)
+        self._count(len(view.entries))
+        self._compare(view)
+        self.calls += view.calls
+        for root, check in view.trees:  # interpolations: the storage of their whole tree, once
+            if id(root) not in self.trees:
+                tree = configs.storage(root, MAX_ENTRIES)
+                self.trees[id(root)] = tree is not None
+                if tree is not None:
+                    self.kept.append(root)
+                    self._compare(tree)
+            if not self.trees[id(root)]:
+                self.calls.append(check)
+        if view.tag == "s":
+            return ("s", type(value), tuple(self.freeze(v, f"{path}[{k}]") for k, v in view.entries))
+        items = tuple((_key(k), self.freeze(v, path + _step(k, view.tag))) for k, v in view.entries)
+        return ("o" if view.tag == "a" else "d", type(value), items)
+
+    def _compare(self, view: configs.View) -> None:
+        """A replay's identity checks of a config's storage: its dicts, lists and node values."""
+        for d in view.dicts:
+            self.dicts.append((d, tuple(d), tuple(d.values())))
+            self.watchable.append(d)
+        by_name: dict[str, list[dict]] = {}
+        for d, name in view.stores:
+            by_name.setdefault(name, []).append(d)
+        self.stores += [(tuple(ds), n, tuple(d.get(n, MISSING) for d in ds)) for n, ds in by_name.items()]
+        self.seqs += [(c, tuple(c)) for c in view.seqs]
 
     def _identity(self, value: Any) -> Any:
         self.kept.append(value)
@@ -248,35 +335,56 @@ def snapshot(value: Any, into: dict[int, Any], budget: int = MAX_ENTRIES) -> Non
         stack += children
 
 
+def _unseen(value: Any) -> bool:
+    """An object a walk compares by identity that may hold numbers a graph bakes in: not code (a
+    callable), not an inert library object (`_HARMLESS`) or a value that cannot change in place
+    (`_IMMUTABLE`), not torch's own (its tensors are guarded as tensors; the rest is machinery:
+    streams, process groups, GradScaler's settings), not marked `unchanging`."""
+    module = getattr(type(value), "__module__", None) or ""
+    return not (
+        callable(value)
+        or isinstance(value, (*_HARMLESS, *_IMMUTABLE))
+        or module == "torch"
+        or module.startswith("torch.")
+        or is_unchanging(value)
+    )
+
+
 def opaque(value: Any) -> bool:
-    """An object a step reads that may hold numbers, but that graphstep cannot see into."""
+    """Unwatchable: an object a step reads that may hold numbers, but whose contents no guard reads.
+    Not so: simple values (compared by value), tensors, modules, optimizers, generators, functions and
+    classes (`IDENTITY_OK`: their state is guarded elsewhere, or is code), what a walk reads by content
+    (`walkable`), and what `_unseen` leaves out. Such as: an object of a library class that is no
+    config (configs.py), an object of a C type without a `__dict__`, a NumPy array, a `bytearray`."""
     return not (
         type(value) in _SCALARS
         or value is MISSING
         or isinstance(value, IDENTITY_OK)
         or is_simple(value)
         or walkable(value, None)
-        or callable(value)
-        or isinstance(value, _HARMLESS)
-    )
+    ) and _unseen(value)
 
 
 def is_data(value: Any) -> bool:
-    """A SimpleNamespace or a dataclass instance: guarded whole, wherever it is held."""
-    return _is_fields(value)
+    """A data object (SimpleNamespace, dataclass, attrs, pydantic, argparse.Namespace) or a library's
+    config object (OmegaConf, ml_collections): guarded whole, wherever it is held (a module's
+    attribute read by a library's forward, say)."""
+    return _is_fields(value) or configs.kind(value) in ("omegaconf", "ml_collections")
 
 
 def walkable(value: Any, names: frozenset[str] | None) -> bool:
-    if type(value) in _SCALARS or isinstance(value, IDENTITY_OK) or is_simple(value):
+    if type(value) in _SCALARS or isinstance(value, IDENTITY_OK) or is_simple(value) or is_unchanging(value):
         return False
     if isinstance(value, (dict, list, collections.deque, tuple, set, frozenset)):
         return True
-    return _is_fields(value) or is_user_class(type(value))
+    return _is_fields(value) or is_user_class(type(value)) or configs.kind(value) is not None
 
 
 def _shown(frozen: Any) -> str:
     tag = frozen[0]
     if tag == "v":
+        if frozen[1] is configs.Unreadable:
+            return f"unreadable ({frozen[2]})"
         return describe(MISSING) if frozen[1] is None else describe(frozen[2])
     if tag in ("id", "ref"):
         return "another object"
