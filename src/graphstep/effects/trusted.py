@@ -35,6 +35,8 @@ TRUSTED: dict[str, str | None] = {
     "accelerate": "accelerate's gradient-accumulation state and hooks: graphstep's Hugging Face integration "
     "keeps the accumulation counter and redoes its bookkeeping",
     "torchmetrics": None,  # a metric's Python counters in `update` are the user's state
+    "omegaconf": "OmegaConf's interpolation parser keeps its position in long-lived lexer objects (scratch "
+    "state, reset on every parse); the values a step reads from a config are guarded by content",
 }
 """Module prefix -> why its writes are not judged (None: judged after all)."""
 

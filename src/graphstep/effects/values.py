@@ -143,7 +143,8 @@ def contents(container: Any) -> Any:
     return list(container)
 
 
-_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+"""Values compared by equality: a write of an equal one changes nothing."""
 
 
 def same(a: Any, b: Any) -> bool:
@@ -153,7 +154,7 @@ def same(a: Any, b: Any) -> bool:
         return True
     if type(a) is not type(b):
         return False
-    if isinstance(a, _PLAIN):
+    if isinstance(a, PLAIN):
         return a == b or (isinstance(a, float) and a != a and b != b)
     if isinstance(a, tuple) and len(a) == len(b) and len(a) <= 64:
         return all(same(x, y) for x, y in zip(a, b))

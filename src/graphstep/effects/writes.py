@@ -52,6 +52,7 @@ import torch
 from ..backends import segments
 from ..errors import PythonWriteError
 from . import targets, trusted, values
+from .library_writes import LibraryWrites
 
 log = logging.getLogger("graphstep")
 
@@ -138,6 +139,7 @@ class WriteWatch:
         self._active = False
         self._census: values.Census | None = None
         self._code = trusted.CodeKinds()
+        self._library = LibraryWrites()
         self._pending: dict[types.FrameType, _Pending] = {}
         self._previous_trace: Any = None
 
@@ -182,6 +184,7 @@ class WriteWatch:
         self._active = False
         for frame in list(self._pending):
             self.finish(frame)
+        self.writes += [Write(*found) for found in self._library.changed()]
         self._census.drop()
         if kind is not None:
             self.roll_back()
@@ -313,7 +316,9 @@ class WriteWatch:
                 self._pending[frame] = _Pending(kind, obj, None, values.contents(obj), text + key)
 
     def _complete(self, p: _Pending, frame: types.FrameType) -> None:
-        if p.kind == "global":
+        if not self._code.is_user(frame.f_code):
+            self._note_library(p, frame)
+        elif p.kind == "global":
             now = p.obj.get(p.name, values.MISSING)
             if values.same(p.before, now):
                 return
@@ -339,6 +344,26 @@ class WriteWatch:
             what = f"`{p.text}` changes {values.described(p.obj)} in place"
             self._refuse(frame, p.line, what, functools.partial(values.restore_contents, p.obj, p.before))
 
+    def _note_library(self, p: _Pending, frame: types.FrameType) -> None:
+        """A library's store: remembered with the value before, judged by its net effect at the end."""
+        if p.kind == "cell" or (p.kind != "global" and not self._census.existed(p.obj)):
+            return
+
+        def where() -> str | None:  # the first write to a place only: these walk the stack
+            if _in_segment(frame) or _asynchronous(frame):
+                return None
+            return self._where(frame, p.line)
+
+        self._library.note(p.kind, p.obj, p.name, p.before, p.text, where)
+
+    def _where(self, frame: types.FrameType, line: int) -> str:
+        """The store's site; for a library's, the user's line that led there too."""
+        where = site(frame, line)
+        if not self._code.is_user(frame.f_code):
+            caller = self._code.users_caller(frame)
+            where = f"{where} (library code{f', reached from {site(caller)}' if caller is not None else ''})"
+        return where
+
     def _refuse(
         self,
         frame: types.FrameType,
@@ -351,11 +376,7 @@ class WriteWatch:
             return
         if _asynchronous(frame):  # not the step's work, though it ran during it
             return
-        where = site(frame, line)
-        if not self._code.is_user(frame.f_code):
-            caller = self._code.users_caller(frame)
-            where = f"{where} (library code{f', reached from {site(caller)}' if caller is not None else ''})"
-        self.writes.append(Write(where, what, undo, attribute))
+        self.writes.append(Write(self._where(frame, line), what, undo, attribute))
 
 
 def _asynchronous(frame: types.FrameType | None) -> bool:

@@ -1,0 +1,112 @@
+"""A library's writes during a capture, judged by what they leave behind at its end.
+
+Library code keeps scratch state in long-lived objects: a parser resets its lexer's position, reads a
+new input and leaves the position where the last parse left it; a module caches the last shape it saw.
+Judged store by store, as the user's writes are, every such reset would be refused. What a replay gets
+wrong is only the net effect of the call: so each place a library writes is remembered with its value
+before the first write, and compared at the end of the capture. It is refused when a plain value
+changed (a number, a flag, a string, None, a tuple of those: `self.calls += 1`, `group["k"] += 1`), or a
+container the library fills (an item added or removed, a plain item changed). Rebinding an attribute to
+a new object (a fresh list, a new input stream) is the library's bookkeeping: a replay leaves the
+object of the capture in place, which the library sets again before it reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from . import values
+
+
+@dataclasses.dataclass
+class _First:
+    """A place a library wrote, as it was before the first write."""
+
+    kind: str
+    """"global", "attr" or "item" (a container's contents)."""
+    obj: Any
+    name: Any
+    before: Any
+    text: str
+    where: str
+
+
+class LibraryWrites:
+    """The places library code wrote during one capture, each with its value before."""
+
+    def __init__(self) -> None:
+        self._first: dict[tuple, _First | None] = {}
+
+    def note(
+        self, kind: str, obj: Any, name: Any, before: Any, text: str, where: Callable[[], str | None]
+    ) -> None:
+        """A library store completed. `where`: its site, asked for the first write to a place only; None
+        when the store is not the step's to judge (inside an eager segment, a gc callback)."""
+        key = (kind, id(obj), name if kind != "item" else None)
+        if key not in self._first:
+            site = where()
+            self._first[key] = None if site is None else _First(kind, obj, name, before, text, site)
+
+    def changed(self) -> list[tuple[str, str, Callable[[], None], tuple[int, str] | None]]:
+        """(where, what, undo, attribute) for each place whose net change a replay would not repeat."""
+        found = []
+        for first in self._first.values():
+            judged = None if first is None else _judge(first)
+            if judged is not None:
+                found.append((first.where, *judged))
+        return found
+
+
+def _judge(f: _First) -> tuple[str, Callable[[], None], tuple[int, str] | None] | None:
+    if f.kind == "global":
+        now = f.obj.get(f.name, values.MISSING)
+        if not _plain_change(f.before, now):
+            return None
+        what = f"global {f.name!r} of {os.path.basename(f.obj.get('__file__', '?'))}"
+        return (
+            f"{what}: {values.shown(f.before)} -> {values.shown(now)}",
+            values.undo_global(f.obj, f.name, f.before),
+            None,
+        )
+    if f.kind == "attr":
+        now = values.attr_state(f.obj, f.name)
+        now_value = values.MISSING if now is None else now[1]
+        if not _plain_change(f.before[1], now_value):
+            return None
+        what = f"`{f.text}`, attribute {f.name!r} of {values.described(f.obj)}"
+        what += f": {values.shown(f.before[1])} -> {values.shown(now_value)}"
+        return what, functools.partial(values.restore_attr, f.obj, f.name, f.before), (id(f.obj), f.name)
+    if not _contents_change(f.obj, f.before):
+        return None
+    what = f"`{f.text}` changes {values.described(f.obj)} in place"
+    return what, functools.partial(values.restore_contents, f.obj, f.before), None
+
+
+def _plain(value: Any) -> bool:
+    if value is values.MISSING:
+        return True
+    if isinstance(value, tuple):
+        return len(value) <= 64 and all(_plain(v) for v in value)
+    return isinstance(value, values.PLAIN)
+
+
+def _plain_change(before: Any, now: Any) -> bool:
+    """A plain value (or an absent one) became another plain value."""
+    return _plain(before) and _plain(now) and not values.same(before, now)
+
+
+def _contents_change(container: Any, before: Any) -> bool:
+    if isinstance(container, dict):
+        if len(container) != len(before) or any(k not in container for k, _ in before):
+            return True
+        return any(_plain_change(v, dict.get(container, k)) for k, v in before)
+    if isinstance(container, (set, frozenset)):
+        return len(container) != len(before) or any(x not in container for x in before)
+    if isinstance(container, bytearray):
+        return bytes(container) != before
+    now = list(container)
+    return len(now) != len(before) or any(_plain_change(b, a) for b, a in zip(before, now))
