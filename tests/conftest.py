@@ -10,7 +10,13 @@ from graphstep.guards import fastcheck, read_guard
 # The guards' tests run twice: with the C++ helper (where it is built) and on the pure-Python path
 # (the fallback where it is not). Both in the one test session, so that the parallel workers share
 # them out with everything else.
-GUARD_PATH_MODULES = {"test_guards", "test_guards_reads", "test_guards_contents", "test_variants"}
+GUARD_PATH_MODULES = {
+    "test_guards",
+    "test_guards_reads",
+    "test_guards_contents",
+    "test_variants",
+    "test_churn",
+}
 
 
 def pytest_generate_tests(metafunc):

@@ -40,7 +40,11 @@ class StepStats:
     replays: int = 0
     """Calls served by replaying a graph (the capturing call's own replay included)."""
     eager_calls: int = 0
-    """Calls run eagerly after warm-up: the eager backend, or a fallback the config allowed."""
+    """Calls run eagerly after warm-up: the eager backend, a fallback the config allowed, or a wait
+    out of variant churn (`churn_calls`)."""
+    churn_calls: int = 0
+    """Calls run eagerly instead of capturing another graph, because a value the step reads changed
+    on every call (see `guards/churn.py`); counted in `eager_calls` too."""
     warmup_s: float = 0.0
     """Time spent in warm-up calls."""
     capture_s: float = 0.0
@@ -52,49 +56,6 @@ class StepStats:
     """Graphs held now."""
     pool_bytes: int = 0
     """Bytes the step's private memory pool holds from the driver now (0 without CUDA)."""
-
-
-class VariantChurn:
-    """Variants of one signature's graph captured call after call, with no replay between, because
-    the same value changed every time (a counter kept in a dict the step reads): each such call pays
-    a capture and gains nothing, and the results are right, so nothing else would say it. Said once
-    per value, after `CALLS` calls in a row."""
-
-    CALLS = 4
-
-    def __init__(self, step_name: str, max_graphs: int):
-        self.step_name = step_name
-        self.max_graphs = max_graphs
-        self.run: list[set[str]] = []
-        """Per variant captured since the last replay: where its changes were."""
-        self._replays = -1
-        self._said: set[str] = set()
-
-    def captured(self, changes: tuple[str, ...], replays: int, *, own_replay: bool) -> None:
-        """A variant is about to be captured. `replays`: the step's replays so far; any since the last
-        variant (a switch to an existing one included) ends the run, so nothing is counted on the
-        replays themselves. `own_replay`: the capturing call replays once to take its step (CUDA),
-        which is not a graph used again."""
-        if replays != self._replays:
-            self.run.clear()
-        self._replays = replays + own_replay
-        self.run.append({text.split(": ", 1)[0] for text in changes})
-        del self.run[: -self.CALLS]
-        every = set.intersection(*self.run) - self._said if len(self.run) == self.CALLS else set()
-        if every:
-            self._said |= every
-            log.warning(
-                "graphstep: %s: the same values changed on each of the last %d calls, and each call "
-                "captured another variant of the graph instead of replaying one (past max_graphs=%d the "
-                "least recently used are dropped), so these calls gain nothing from graphs:\n%s\n"
-                "If the step does not read such a value, keep it out of the objects the step reads (a "
-                "dict or list the step reads is compared whole); if it does, keep it in a 0-d device "
-                "tensor updated in place (`t.fill_(value)`) or pass it as a tensor argument.",
-                self.step_name,
-                self.CALLS,
-                self.max_graphs,
-                "\n".join(f"  - {where}" for where in sorted(every)),
-            )
 
 
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
