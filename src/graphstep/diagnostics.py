@@ -10,8 +10,9 @@ import re
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,14 +133,19 @@ def is_host_sync(exc: BaseException) -> bool:
     return likely_cause(exc) is _HOST_SYNC
 
 
-def capture_error(step_name: str, exc: BaseException) -> Exception:
-    """The `CaptureError` (or `HostSyncError`) for a capture that raised `exc`."""
+def capture_error(step_name: str, exc: BaseException, modules: Iterable[tuple[str, Any]] = ()) -> Exception:
+    """The `CaptureError` (or `HostSyncError`) for a capture that raised `exc`. `modules`: the step's
+    root modules, named (`TrainingState.named_modules_roots()`), to name a module in a hint."""
     from .errors import CaptureError, HostSyncError
 
     sync = is_host_sync(exc)
     kind = HostSyncError if sync else CaptureError
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    hint = host_sync_hint(traceback.extract_tb(exc.__traceback__), first_line) if sync else None
+    hint = None
+    if sync:
+        hint = batchnorm_hint(exc, modules) or host_sync_hint(
+            traceback.extract_tb(exc.__traceback__), first_line
+        )
     return kind(
         f"capturing {step_name} failed at {where(exc.__traceback__)}.\n"
         + f"Likely cause: {likely_cause(exc)}.\n"
@@ -396,3 +402,39 @@ def host_sync_hint(frames: list[traceback.FrameSummary], error: str = "") -> str
         if pattern.search(line):
             return hint
     return None
+
+
+def batchnorm_hint(exc: BaseException, modules: Iterable[tuple[str, Any]] = ()) -> str | None:
+    """The hint for a host sync inside a BatchNorm with `momentum=None`, naming the module, or None.
+
+    Such a BatchNorm keeps a cumulative average of its batch statistics: each training forward
+    divides by `num_batches_tracked` read on the host (`1.0 / float(self.num_batches_tracked)`)."""
+    batchnorm = torch.nn.modules.batchnorm._BatchNorm
+    module = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, batchnorm) and candidate.momentum is None:
+            module = candidate  # the innermost such frame wins
+    if module is None:
+        return None
+    name = next(
+        (
+            f"{prefix}.{sub}" if sub else prefix
+            for prefix, root in modules
+            for sub, m in root.named_modules()
+            if m is module
+        ),
+        None,
+    )
+    kind = type(module).__name__
+    what = f"`{name}` ({kind}(momentum=None))" if name else f"a {kind}(momentum=None)"
+    return (
+        f"{what} keeps a cumulative moving average of its batch statistics, and every training forward "
+        "reads num_batches_tracked on the host to weigh the new batch (`1.0 / float(self.num_batches_tracked)`). "
+        f"Give it a momentum (`{kind}(..., momentum=0.1)`, BatchNorm's default: an exponential average, "
+        "computed on the device); if you need the cumulative average of the statistics, recompute them after "
+        "training in an eager pass over the data with momentum=None (as "
+        "`torch.optim.swa_utils.update_bn` does). A BatchNorm whose statistics should stay as they are "
+        "(a frozen backbone) can run in eval mode, which reads nothing on the host. "
+        "`graphstep.eager_segment` cannot hold it: a segment's results carry no autograd history"
+    )

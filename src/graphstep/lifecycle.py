@@ -452,7 +452,7 @@ def capture_variant(
         python.roll_back()
         if isinstance(error, GraphStepError) or not isinstance(error, Exception):
             raise error
-        raise capture_error(ctx.name, error) from error
+        raise capture_error(ctx.name, error, ctx.state.named_modules_roots()) from error
     if isinstance(recording, PartsRecording):
         recording.segments = captured["segments"]
         recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
