@@ -289,7 +289,18 @@ def refused(step, *args, model=None, opt=None) -> str:
     return str(info.value)
 
 
-def test_distribution_validation_names_validate_args():
+@pytest.fixture
+def validating():
+    """Distributions validate their arguments, as by default. torch.compile turns that off for the
+    whole process the first time it runs (dynamo's `TorchPatcher`), so a test earlier in the same
+    process (test_vote.py compiles) would otherwise decide what this one sees."""
+    was = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(was)
+
+
+def test_distribution_validation_names_validate_args(validating):
     policy = torch.nn.Linear(4, 2)
 
     def step(obs, action):  # obs: (B, 4), action: (B, 2)
