@@ -16,6 +16,7 @@ GUARD_PATH_MODULES = {
     "test_guards_contents",
     "test_guards_configs",
     "test_variants",
+    "test_churn",
 }
 
 

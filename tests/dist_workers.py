@@ -21,6 +21,9 @@ from graphstep.demo.parallel import parallelize, parallelize_2d
 from graphstep.errors import ClosedError, HostSyncError
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
+LOSS_SCALES = [1.0 + 0.01 * k for k in range(16)]
+SCALE_AT = 0
+"""Which loss scale a step made with `scaled=True` reads (as a Python float): a counter its loop sets."""
 
 
 def _device(rank: int) -> torch.device:
@@ -56,9 +59,11 @@ def _step_fn(
     *,
     micro_batches: int = 1,
     sync_on: int | None = None,
+    scaled: bool = False,
 ):
     """One optimizer step over `micro_batches` slices of the batch; under DDP, gradients are
-    all-reduced only in the last one's backward (`no_sync` for the others)."""
+    all-reduced only in the last one's backward (`no_sync` for the others). `scaled`: the loss is
+    scaled by `LOSS_SCALES[SCALE_AT]`, a Python float baked into a graph."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
@@ -67,6 +72,8 @@ def _step_fn(
             with model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext():
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                     loss = model(xs, ys) / micro_batches
+                    if scaled:
+                        loss = loss * LOSS_SCALES[SCALE_AT]
                 loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -138,8 +145,9 @@ def train_pair(
 def one_rank_changes(
     rank: int, size: int, *, change: str, steps: int = 12, max_recaptures: int = 4, max_graphs: int = 8
 ) -> dict:
-    """After 6 steps, only rank 1 changes something: moves a parameter ("move"), or calls with
-    a new batch shape that must warm up first ("shape"). With `max_recaptures=0` a move puts
+    """After 6 steps, only rank 1 changes something: moves a parameter ("move"), calls with a new
+    batch shape that must warm up first ("shape"), or advances a counter its step reads on every call
+    until step 10 ("churn": two variants, then eager calls until it holds still). With `max_recaptures=0` a move puts
     both ranks past the limit: both run eagerly from then on; with `max_graphs=1` the new shape
     runs eagerly on rank 1 (and so on rank 0 too). Plain per-rank models, no collectives in the
     step, so the recording backend can stand in for graphs on CPU."""
@@ -151,10 +159,11 @@ def one_rank_changes(
         max_graphs=max_graphs,
         on_too_many_graphs="eager",
     )
+    global SCALE_AT
     results = []
     for graphed in (False, True):
         model, opt = _build(None, device, sgd=device.type == "cpu")
-        step = _step_fn(model, opt, device)
+        step = _step_fn(model, opt, device, scaled=change == "churn")
         if graphed:
             step = graphstep.capture(step, model=model, optimizer=opt, config=config)
         data = _data(None, rank, steps, device)
@@ -165,6 +174,7 @@ def one_rank_changes(
                 model.head.weight.data = model.head.weight.data.clone()
             if rank == 1 and i >= 6 and change == "shape":
                 x, y = small[i]
+            SCALE_AT = min(i, 10) - 5 if rank == 1 and i >= 6 and change == "churn" else 0
             losses.append(step(x, y))
         results.append((model, losses, step))
     (eager_model, eager_losses, _), (model, losses, step) = results

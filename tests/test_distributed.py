@@ -76,6 +76,22 @@ def test_the_recapture_limit_reached_on_one_rank_stops_every_rank():
         )
 
 
+def test_a_value_churning_on_one_rank_makes_every_rank_step_eagerly_with_it():
+    """Rank 1's step reads a loss scale that changes on calls 6-10: it captures two variants (rank 0
+    captures again with it), then runs eagerly until the value holds still, and rank 0 steps eagerly
+    with it rather than replaying alone; then both capture and replay again."""
+    reports = run_ranks(one_rank_changes, 2, change="churn", steps=14)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+    rank0, rank1 = (r["stats"] for r in reports)
+    assert rank1["churn_calls"] >= 2 and rank0["churn_calls"] == 0, (rank0, rank1)
+    assert rank0["eager_calls"] == rank1["eager_calls"] == rank1["churn_calls"], (rank0, rank1)
+    assert rank0["captures"] == rank1["captures"] == 4 and rank0["replays"] == rank1["replays"], (
+        rank0,
+        rank1,
+    )
+
+
 def test_a_new_shape_on_one_rank_holds_the_others_back_until_it_can_capture():
     reports = run_ranks(one_rank_changes, 2, change="shape")
     for rank, report in enumerate(reports):

@@ -113,7 +113,12 @@ def test_the_trusted_list_gives_a_reason_for_each_package_and_judges_the_rest():
     assert trusted.reason("torch.optim.lr_scheduler") is None, "a scheduler's epoch counter is judged"
     assert trusted.reason("pytorch_lightning.core.module") and trusted.reason("logging")
     assert trusted.reason("graphstep.guards.reads") and trusted.reason("graphstep.demo.gpt") is None
-    for package in ("timm.optim.lamb", "schedulefree.adamw_schedulefree", "pytorch_optimizer", "torchmetrics"):
+    for package in (
+        "timm.optim.lamb",
+        "schedulefree.adamw_schedulefree",
+        "pytorch_optimizer",
+        "torchmetrics",
+    ):
         assert trusted.reason(package) is None, package
     assert all(why is None or len(why) > 40 for why in trusted.TRUSTED.values()), "each entry says why"
 

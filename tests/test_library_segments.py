@@ -289,7 +289,18 @@ def refused(step, *args, model=None, opt=None) -> str:
     return str(info.value)
 
 
-def test_distribution_validation_names_validate_args():
+@pytest.fixture
+def validating():
+    """Distributions validate their arguments, as by default. torch.compile turns that off for the
+    whole process the first time it runs (dynamo's `TorchPatcher`), so a test earlier in the same
+    process (test_vote.py compiles) would otherwise decide what this one sees."""
+    was = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(was)
+
+
+def test_distribution_validation_names_validate_args(validating):
     policy = torch.nn.Linear(4, 2)
 
     def step(obs, action):  # obs: (B, 4), action: (B, 2)
@@ -327,6 +338,56 @@ def test_boolean_mask_indexing_names_ignore_index_and_where():
     message = refused(step, torch.randn(4, 4), labels, model=head)
     assert "ignore_index" in message and "torch.where" in message, message
     assert "logits[keep]" in message, message
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.BatchNorm1d(8, momentum=momentum)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 4)
+        return self.head(torch.relu(self.norm(self.fc(x))))
+
+
+def test_batchnorm_with_a_cumulative_average_names_the_module_and_the_momentum():
+    """BatchNorm(momentum=None) divides by num_batches_tracked read on the host in every training
+    forward: the error names the module by its qualified name and says to give it a momentum."""
+    model = ConvNet(momentum=None)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    message = refused(step, torch.randn(6, 4), model=model)
+    assert "`model.norm` (BatchNorm1d(momentum=None))" in message, message
+    assert "num_batches_tracked" in message and "momentum=0.1" in message, message
+    assert "eval mode" in message and "update_bn" in message, message
+
+
+def test_batchnorm_with_a_momentum_is_captured_and_equal_to_eager():
+    torch.manual_seed(0)
+    model = ConvNet(momentum=0.1)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+
+    def make(m, opt):
+        def step(x):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    eager = make(model, opts[0])
+    captured = graphstep.capture(make(twin, opts[1]), model=twin, optimizer=opts[1], config=recording())
+    for x in [torch.randn(6, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]:
+        assert torch.equal(eager(x), captured(x))
+    assert captured.stats.replays == 2 and torch.equal(model.norm.running_var, twin.norm.running_var)
 
 
 def test_item_for_logging_names_returning_the_tensor():

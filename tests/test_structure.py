@@ -89,6 +89,7 @@ LAYERS = [
     "capture",
     "teardown",
     "lifecycle",
+    "capturing",
     "verify",
     "step_context",
     "effects",

@@ -2,7 +2,7 @@
 
 A call goes down, never back up: its input signature (`signature.py`) picks a `Lifecycle`
 (`lifecycle.py`: plan, the ranks' agreement, then warm-up, capture or replay), or an `Overflow`
-past `Config.max_graphs`; what all signatures share is set up once, on the first call, by
+(here: every call eager) past `Config.max_graphs`; what all signatures share is set up once, on the first call, by
 `StepContext.open` (`step_context.py`). Here: the public surface, and that dispatch.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +20,17 @@ import torch
 from . import signature as sig
 from . import teardown
 from .config import Config
-from .diagnostics import StepStats, changing_argument_message, log, too_many_graphs_message
+from .diagnostics import (
+    StepStats,
+    changing_argument_message,
+    eager_fallback_message,
+    log,
+    too_many_graphs_message,
+)
+from .distributed.ranks import Phase
 from .errors import ChangingArgumentError, ClosedError, GraphStepError, TooManyGraphsError
 from .guards import fastcheck
-from .lifecycle import Lifecycle, Overflow
+from .lifecycle import Lifecycle
 from .signature import Signature
 from .state import TrainingState, as_list
 from .step_context import StepContext, shared_backend_of
@@ -287,3 +295,23 @@ class CapturedStep:
 
     def _too_many_message(self, signature: Signature) -> str:
         return too_many_graphs_message(self._name, self.config.max_graphs, list(self._lives), signature)
+
+
+class Overflow:
+    """A signature past `Config.max_graphs` with `on_too_many_graphs="eager"`: every call runs
+    eagerly, and the other ranks step eagerly with it. Warns once, when made with `warn=True`."""
+
+    def __init__(self, ctx: StepContext, signature: Signature, *, warn: bool, stacklevel: int):
+        self.ctx = ctx
+        if warn:
+            message = eager_fallback_message(ctx.name, ctx.config.max_graphs, signature)
+            warnings.warn(message, stacklevel=stacklevel)
+            log.warning(message)
+
+    def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
+        ranks = self.ctx.ranks
+        if ranks is None:
+            return self.ctx.run_eager(args, kwargs)
+        agreed = ranks.agree(Phase.EAGER, False, self.ctx.name)
+        with ranks.together(self.ctx.name, agreed, self.ctx.state.modules):
+            return self.ctx.run_eager(args, kwargs)

@@ -10,8 +10,9 @@ import re
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,7 +41,11 @@ class StepStats:
     replays: int = 0
     """Calls served by replaying a graph (the capturing call's own replay included)."""
     eager_calls: int = 0
-    """Calls run eagerly after warm-up: the eager backend, or a fallback the config allowed."""
+    """Calls run eagerly after warm-up: the eager backend, a fallback the config allowed, or a wait
+    out of variant churn (`churn_calls`)."""
+    churn_calls: int = 0
+    """Calls run eagerly instead of capturing another graph, because a value the step reads changed
+    on every call (see `guards/churn.py`); counted in `eager_calls` too."""
     warmup_s: float = 0.0
     """Time spent in warm-up calls."""
     capture_s: float = 0.0
@@ -52,49 +57,6 @@ class StepStats:
     """Graphs held now."""
     pool_bytes: int = 0
     """Bytes the step's private memory pool holds from the driver now (0 without CUDA)."""
-
-
-class VariantChurn:
-    """Variants of one signature's graph captured call after call, with no replay between, because
-    the same value changed every time (a counter kept in a dict the step reads): each such call pays
-    a capture and gains nothing, and the results are right, so nothing else would say it. Said once
-    per value, after `CALLS` calls in a row."""
-
-    CALLS = 4
-
-    def __init__(self, step_name: str, max_graphs: int):
-        self.step_name = step_name
-        self.max_graphs = max_graphs
-        self.run: list[set[str]] = []
-        """Per variant captured since the last replay: where its changes were."""
-        self._replays = -1
-        self._said: set[str] = set()
-
-    def captured(self, changes: tuple[str, ...], replays: int, *, own_replay: bool) -> None:
-        """A variant is about to be captured. `replays`: the step's replays so far; any since the last
-        variant (a switch to an existing one included) ends the run, so nothing is counted on the
-        replays themselves. `own_replay`: the capturing call replays once to take its step (CUDA),
-        which is not a graph used again."""
-        if replays != self._replays:
-            self.run.clear()
-        self._replays = replays + own_replay
-        self.run.append({text.split(": ", 1)[0] for text in changes})
-        del self.run[: -self.CALLS]
-        every = set.intersection(*self.run) - self._said if len(self.run) == self.CALLS else set()
-        if every:
-            self._said |= every
-            log.warning(
-                "graphstep: %s: the same values changed on each of the last %d calls, and each call "
-                "captured another variant of the graph instead of replaying one (past max_graphs=%d the "
-                "least recently used are dropped), so these calls gain nothing from graphs:\n%s\n"
-                "If the step does not read such a value, keep it out of the objects the step reads (a "
-                "dict or list the step reads is compared whole); if it does, keep it in a 0-d device "
-                "tensor updated in place (`t.fill_(value)`) or pass it as a tensor argument.",
-                self.step_name,
-                self.CALLS,
-                self.max_graphs,
-                "\n".join(f"  - {where}" for where in sorted(every)),
-            )
 
 
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
@@ -171,14 +133,19 @@ def is_host_sync(exc: BaseException) -> bool:
     return likely_cause(exc) is _HOST_SYNC
 
 
-def capture_error(step_name: str, exc: BaseException) -> Exception:
-    """The `CaptureError` (or `HostSyncError`) for a capture that raised `exc`."""
+def capture_error(step_name: str, exc: BaseException, modules: Iterable[tuple[str, Any]] = ()) -> Exception:
+    """The `CaptureError` (or `HostSyncError`) for a capture that raised `exc`. `modules`: the step's
+    root modules, named (`TrainingState.named_modules_roots()`), to name a module in a hint."""
     from .errors import CaptureError, HostSyncError
 
     sync = is_host_sync(exc)
     kind = HostSyncError if sync else CaptureError
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    hint = host_sync_hint(traceback.extract_tb(exc.__traceback__), first_line) if sync else None
+    hint = None
+    if sync:
+        hint = batchnorm_hint(exc, modules) or host_sync_hint(
+            traceback.extract_tb(exc.__traceback__), first_line
+        )
     return kind(
         f"capturing {step_name} failed at {where(exc.__traceback__)}.\n"
         + f"Likely cause: {likely_cause(exc)}.\n"
@@ -435,3 +402,39 @@ def host_sync_hint(frames: list[traceback.FrameSummary], error: str = "") -> str
         if pattern.search(line):
             return hint
     return None
+
+
+def batchnorm_hint(exc: BaseException, modules: Iterable[tuple[str, Any]] = ()) -> str | None:
+    """The hint for a host sync inside a BatchNorm with `momentum=None`, naming the module, or None.
+
+    Such a BatchNorm keeps a cumulative average of its batch statistics: each training forward
+    divides by `num_batches_tracked` read on the host (`1.0 / float(self.num_batches_tracked)`)."""
+    batchnorm = torch.nn.modules.batchnorm._BatchNorm
+    module = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, batchnorm) and candidate.momentum is None:
+            module = candidate  # the innermost such frame wins
+    if module is None:
+        return None
+    name = next(
+        (
+            f"{prefix}.{sub}" if sub else prefix
+            for prefix, root in modules
+            for sub, m in root.named_modules()
+            if m is module
+        ),
+        None,
+    )
+    kind = type(module).__name__
+    what = f"`{name}` ({kind}(momentum=None))" if name else f"a {kind}(momentum=None)"
+    return (
+        f"{what} keeps a cumulative moving average of its batch statistics, and every training forward "
+        "reads num_batches_tracked on the host to weigh the new batch (`1.0 / float(self.num_batches_tracked)`). "
+        f"Give it a momentum (`{kind}(..., momentum=0.1)`, BatchNorm's default: an exponential average, "
+        "computed on the device); if you need the cumulative average of the statistics, recompute them after "
+        "training in an eager pass over the data with momentum=None (as "
+        "`torch.optim.swa_utils.update_bn` does). A BatchNorm whose statistics should stay as they are "
+        "(a frozen backbone) can run in eval mode, which reads nothing on the host. "
+        "`graphstep.eager_segment` cannot hold it: a segment's results carry no autograd history"
+    )

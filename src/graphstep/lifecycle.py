@@ -11,54 +11,36 @@ towards `Config.max_recaptures`. A changed hyperparameter that an optimizer bake
 optimizer to an eager segment (see `backends/segments.py`) once, in `optimizer_mode="auto"`.
 
 Each call (`Lifecycle.call`) goes plan (what this rank would do) -> agreement (what all ranks
-do, see `distributed/`) -> act. A signature past `Config.max_graphs` gets an `Overflow`, which
-runs every call eagerly.
+do, see `distributed/`) -> act. (A signature past `Config.max_graphs` gets an `Overflow` instead,
+see capture.py.) A value that changes on every call, so that every call would capture a
+variant never replayed, makes its calls run eagerly until it holds still (`guards/churn.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import itertools
 import time
 import warnings
 from typing import Any
 
-import torch
-
-from . import effects
 from . import signature as sig
-from .backends import library_segments, output_ring, segments
-from .backends.base import PartsRecording, Recording
+from .backends import library_segments, segments
 from .backends.buffers import InputBuffers
-from .backends.cuda import CudaGraphBackend
-from .diagnostics import VariantChurn, capture_error, eager_fallback_message, log, stale_message
+from .capturing import Variant, capture_variant
+from .diagnostics import log, stale_message
 from .distributed.ranks import Agreement, Phase
-from .effects import host_random
-from .errors import GraphStepError, StaleGraphError
+from .errors import StaleGraphError
+from .guards.churn import Probe, VariantChurn
 from .guards.reads import ReadWatch
-from .guards.state_guard import StateGuard, trainable
+from .guards.state_guard import trainable
 from .profiling import REPLAY, listening_to_replays, ranged
 from .signature import Signature
-from .state import Snapshot
 from .step_context import StepContext
-from .verify import verify
+from .verify import verified_replay
 
 _clock = itertools.count(1)  # orders variants by last use
-
-
-@dataclasses.dataclass(eq=False)
-class Variant:
-    """One captured graph of a signature, valid while its guard holds."""
-
-    recording: Recording
-    guard: StateGuard | None
-    output_spec: Any
-    output_tensors: list[torch.Tensor]
-    optimizer_layout: tuple
-    """`OptimizerAdapter.state_layout()` at capture: which parameters had which optimizer state."""
-    modes_epoch: int
-    last_used: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +51,8 @@ class Plan:
     kind: str
     """"warm", "capture" (the first graph), "replay", "variant" (a graph for new guarded values,
     the others kept), "recapture" (counted), "switch" (an optimizer moved to an eager segment),
-    "rewarm" (optimizer state of another layout: warm up once more), "stale"."""
+    "rewarm" (optimizer state of another layout: warm up once more), "stale", "churn" (a value
+    changes on every call: run eagerly instead of capturing, see `guards/churn.py`)."""
     changes: tuple[str, ...] = ()
     limited: bool = False
     """A counted re-capture would pass `Config.max_recaptures`."""
@@ -77,6 +60,74 @@ class Plan:
 
 _REPLAY = Plan(Phase.REPLAY, "replay")  # most calls: made once
 _ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
+
+
+def _plan(life: Lifecycle) -> Plan:
+    """What this rank would do with a call, before the ranks agree: replay, switch to a variant that
+    fits, warm up, capture (a first graph, a variant, again), or run eagerly (stale, churn)."""
+    ctx = life.ctx
+    if life.stale:
+        return Plan(Phase.EAGER, "stale")
+    current = life.current
+    if current is None:
+        if life.churn.still_waiting(life.replays):
+            if life.churn.waits_on():
+                return Plan(Phase.EAGER, "churn", life.churn.texts)
+            life.churn.end_wait()  # the values held still: one more warm-up, then a capture
+            life.warmups = min(life.warmups, ctx.warmups_needed - 1)
+        # Capture only while requires_grad is as at the last warm-up: a layer unfrozen since
+        # has optimizer state still to be created, which a capture would bake in.
+        ready = life.warmups >= ctx.warmups_needed and trainable(ctx.state) == life.trainable
+        if not ready:
+            return Plan(Phase.EAGER, "warm")
+        if life.churn.waits_before_capture(life.replays):
+            return Plan(Phase.EAGER, "churn", life.churn.texts)
+        return Plan(Phase.CAPTURE, "capture")
+    if current.modes_epoch != ctx.modes.epoch:
+        return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
+    if current.guard is None or current.guard.holds():
+        return _REPLAY
+    if life.churn.still_waiting(life.replays):  # cheap: no changes() while a value churns
+        if _switch_to_a_variant_that_holds(life):
+            return _REPLAY
+        if life.churn.waits_on():
+            return Plan(Phase.EAGER, "churn", life.churn.texts)
+    changes = current.guard.changes()
+    if not changes:  # an unrelated module elsewhere in the process was re-registered
+        return _REPLAY
+    texts = tuple(getattr(c, "text", c) for c in changes)
+    if _switch_to_a_variant_that_holds(life):
+        return _REPLAY
+    if ctx.optim.state_layout() != current.optimizer_layout or any(
+        getattr(c, "warm_up", False) for c in changes
+    ):
+        # Optimizer state was replaced by one of another layout (loaded empty, say), or will be
+        # created lazily (a layer unfrozen): a capture now would record that first step forever.
+        # Warm up once more first.
+        return Plan(Phase.EAGER, "rewarm", texts)
+    movable = ctx.modes.movable(changes)
+    if movable:
+        ctx.modes.move_to_eager(
+            movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts)
+        )
+        return Plan(Phase.CAPTURE, "switch", texts)
+    if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
+        full = ctx.graphs_alive() >= ctx.config.max_graphs
+        if life.churn.waits_for_variant(life.replays, texts, current.guard, evicts=full):
+            return Plan(Phase.EAGER, "churn", texts)
+        return Plan(Phase.CAPTURE, "variant", texts)
+    return Plan(Phase.CAPTURE, "recapture", texts, life.recaptures >= ctx.config.max_recaptures)
+
+
+def _switch_to_a_variant_that_holds(life: Lifecycle) -> bool:
+    """Make a variant captured for the current values the current one, if there is one."""
+    epoch = life.ctx.modes.epoch
+    for variant in life.variants:
+        if variant is not life.current and variant.modes_epoch == epoch and variant.guard.holds():
+            life.current = variant
+            life.ctx.stats.variant_switches += 1
+            return True
+    return False
 
 
 class Lifecycle:
@@ -90,6 +141,8 @@ class Lifecycle:
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
+        self.replays = 0
+        """This signature's replays (the churn's runs and waits end at one)."""
         self.stale = False
         """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
         self.trainable: list[bool] | None = None
@@ -98,7 +151,8 @@ class Lifecycle:
         """The output tensors of the last warm-up, described: the output ring is made like them."""
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
-        self.churn = VariantChurn(ctx.name, ctx.config.max_graphs)
+        self.churn = VariantChurn(ctx.name)
+        self.guarded = ctx.backend.static_buffers and ctx.config.check != "off"  # its graphs have guards
 
     def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
         """One call of this signature: plan what this rank would do, agree with the other ranks (all
@@ -110,56 +164,15 @@ class Lifecycle:
                 return self.replay(leaves, args, kwargs)
             if plan.phase is Phase.REPLAY:
                 return self.act(plan, _ALONE, leaves, args, kwargs)
-            return self.act(
-                plan, Agreement(plan.phase, None, 0 if plan.limited else None), leaves, args, kwargs
-            )
+            alone = Agreement(plan.phase, None, 0 if plan.limited else None)
+            return self.act(plan, alone, leaves, args, kwargs)
         agreed = ranks.agree(plan.phase, plan.limited, self.ctx.name)
         if agreed.phase is Phase.REPLAY:
             return self.act(plan, agreed, leaves, args, kwargs)
         with ranks.together(self.ctx.name, agreed, self.ctx.state.modules):
             return self.act(plan, agreed, leaves, args, kwargs)
 
-    # -- plan -----------------------------------------------------------------------------------
-
-    def plan(self) -> Plan:
-        ctx = self.ctx
-        if self.stale:
-            return Plan(Phase.EAGER, "stale")
-        current = self.current
-        if current is None:
-            # Capture only while requires_grad is as at the last warm-up: a layer unfrozen since
-            # has optimizer state still to be created, which a capture would bake in.
-            ready = self.warmups >= ctx.warmups_needed and trainable(ctx.state) == self.trainable
-            return Plan(Phase.CAPTURE, "capture") if ready else Plan(Phase.EAGER, "warm")
-        if current.modes_epoch != ctx.modes.epoch:
-            return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
-        if current.guard is None or current.guard.holds():
-            return _REPLAY
-        changes = current.guard.changes()
-        if not changes:  # an unrelated module elsewhere in the process was re-registered
-            return _REPLAY
-        texts = tuple(getattr(c, "text", c) for c in changes)
-        for variant in self.variants:
-            if variant is not current and variant.modes_epoch == ctx.modes.epoch and variant.guard.holds():
-                self.current = variant
-                ctx.stats.variant_switches += 1
-                return _REPLAY
-        if ctx.optim.state_layout() != current.optimizer_layout or any(
-            getattr(c, "warm_up", False) for c in changes
-        ):
-            # Optimizer state was replaced by one of another layout (loaded empty, say), or will be
-            # created lazily (a layer unfrozen): a capture now would record that first step forever.
-            # Warm up once more first.
-            return Plan(Phase.EAGER, "rewarm", texts)
-        movable = ctx.modes.movable(changes)
-        if movable:
-            ctx.modes.move_to_eager(
-                movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts)
-            )
-            return Plan(Phase.CAPTURE, "switch", texts)
-        if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
-            return Plan(Phase.CAPTURE, "variant", texts)
-        return Plan(Phase.CAPTURE, "recapture", texts, self.recaptures >= ctx.config.max_recaptures)
+    plan = _plan  # what this rank would do with a call, before the ranks agree (see `_plan`)
 
     # -- act ------------------------------------------------------------------------------------
 
@@ -170,18 +183,9 @@ class Lifecycle:
         if agreed.phase is Phase.REPLAY:
             return self.replay(leaves, args, kwargs)
         if agreed.phase is Phase.EAGER:
-            if plan.kind == "rewarm":
-                log.warning(
-                    "graphstep: %s: optimizer state changes its layout (loaded, or created for a layer "
-                    "that trains again); one more warm-up, then a capture:\n%s",
-                    ctx.name,
-                    _listed(plan.changes),
-                )
-                self._drop_all()
-                self.warmups = ctx.warmups_needed - 1
-            elif self.current is not None:  # another rank warms up: step eagerly with it
-                return ctx.run_eager(args, kwargs)
-            return self.warm_up(args, kwargs)
+            outputs = self._step_eagerly(plan, args, kwargs)
+            self.churn.after_eager_call()  # (while a value churns: the values this call left)
+            return outputs
         # Phase.CAPTURE, on some rank.
         if agreed.limited_by is not None:  # some rank is past max_recaptures: no rank captures
             if self.current is not None:
@@ -189,11 +193,17 @@ class Lifecycle:
                 _give_up(ctx, plan.changes or (f"rank {agreed.limited_by} is past max_recaptures",))
                 self.stale = True
             return ctx.run_eager(args, kwargs)
+        replays = self.replays
+        outputs = self._capture_for(plan, agreed, leaves, args, kwargs)
+        self.churn.captured(replays, self.replays, plan.changes)
+        return outputs
+
+    def _capture_for(self, plan: Plan, agreed: Agreement, leaves: list, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
         if self.current is None:
             return self.capture(leaves, args, kwargs, replaced=[])
         if plan.kind == "variant":
             ctx.stats.variants += 1
-            self.churn.captured(plan.changes, ctx.stats.replays, own_replay=not ctx.backend.capture_executes)
             log.info(
                 "graphstep: capturing another variant of %s for the current values of:\n%s",
                 ctx.name,
@@ -214,17 +224,47 @@ class Lifecycle:
 
     # -- the phases -----------------------------------------------------------------------------
 
+    def _step_eagerly(self, plan: Plan, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
+        if plan.kind == "rewarm":
+            log.warning(
+                "graphstep: %s: optimizer state changes its layout (loaded, or created for a layer "
+                "that trains again); one more warm-up, then a capture:\n%s",
+                ctx.name,
+                _listed(plan.changes),
+            )
+            self._drop_all()
+            self.warmups = ctx.warmups_needed - 1
+        elif plan.kind == "churn":  # a value changes on every call: the eager step
+            ctx.stats.churn_calls += 1
+            return ctx.run_eager(args, kwargs)
+        if self.current is not None:  # another rank warms up or waits: step eagerly with it
+            return ctx.run_eager(args, kwargs)
+        return self.warm_up(args, kwargs)
+
     def warm_up(self, args: tuple, kwargs: dict) -> Any:
         ctx = self.ctx
         start = time.perf_counter()
+        # The last two warm-ups before a capture are watched: what they read tells whether a value
+        # changes on every call (guards/churn.py).
+        probing = self.guarded and self.current is None and self.warmups + 2 >= ctx.warmups_needed
+        if probing and self.churn.probing():
+            self.churn.before_watched_warmup()
+        else:
+            probing = False
         with (
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
             segments.optimizer_steps_as_segments(ctx.modes.eager),
             ctx.modes.observing(ctx.state.optimizers),
             library_segments.calls_as_segments(ctx.name, capturing=False),
+            ReadWatch(sig.non_tensor_arguments(args, kwargs))
+            if probing
+            else contextlib.nullcontext() as reads,
         ):
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
+        if probing:
+            self.churn.probe = Probe.of_run(reads.reads, ctx.state, ctx.fn)
         self.segment_results = watch.seen
         self.trainable = trainable(ctx.state)
         self.warmups += 1
@@ -267,6 +307,7 @@ class Lifecycle:
             result = self._replay(leaves, args, kwargs, verify)
         ctx.stats.replays += 1
         ctx.stats.replay_s += time.perf_counter() - start
+        self.replays += 1
         return result
 
     def _replay(self, leaves: list, args: tuple, kwargs: dict, verify: bool) -> Any:
@@ -277,7 +318,7 @@ class Lifecycle:
             self.inputs.load(leaves)
         every = ctx.config.verify_every
         if verify and every and (ctx.stats.replays + 1) % every == 0:
-            outputs = _verified_replay(self, leaves, args, kwargs)
+            outputs = verified_replay(self, leaves, args, kwargs)
         else:
             outputs = variant.recording.replay(args, kwargs)
         return self.deliver(outputs)
@@ -328,165 +369,6 @@ class Lifecycle:
             "graphstep: %s holds max_graphs graphs: dropping its least recently used variant", self.ctx.name
         )
         return [oldest]
-
-
-def _verified_replay(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
-    """A replay checked against a reference run of the same step (`Config(verify_every=N)`)."""
-    ctx = life.ctx
-    # The reference run reads the same static buffers the replay will.
-    buffers = life.inputs.tensors
-    inputs = sig.unflatten(life.signature.spec, buffers) if buffers else (args, kwargs)
-    if ctx.config.verify_against == "capture":
-        reference = functools.partial(_fresh_capture_run, life, leaves, *inputs)
-    else:
-        reference = functools.partial(ctx.backend.warmup, ctx.fn, *inputs, in_pool=False)
-    return verify(
-        ctx.state,
-        ctx.fn,
-        ctx.backend.cuda_devices,
-        run_reference=reference,
-        replay=lambda: life.current.recording.replay(args, kwargs),
-        tolerance=ctx.config.verify_tolerance,
-    )
-
-
-def _fresh_capture_run(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
-    """Capture this call afresh from the current state and run it once (`verify_against=
-    "capture"`): a graph that baked a stale value differs from it, while a library's
-    capture-only code path (transformers') is taken by both."""
-    stats = life.ctx.stats
-    kept_current, kept, counted = life.current, list(life.variants), dataclasses.astuple(stats)
-    try:
-        return life.capture(leaves, args, kwargs, replaced=[])
-    finally:
-        fresh = life.current
-        life.variants, life.current = kept, kept_current
-        for field, value in zip(dataclasses.fields(stats), counted):
-            setattr(stats, field.name, value)  # a check, not a step: the counters stay as they were
-        if fresh is not kept_current:
-            fresh.recording.release()
-
-
-class Overflow:
-    """A signature past `Config.max_graphs` with `on_too_many_graphs="eager"`: every call runs
-    eagerly, and the other ranks step eagerly with it. Warns once, when made with `warn=True`."""
-
-    def __init__(self, ctx: StepContext, signature: Signature, *, warn: bool, stacklevel: int):
-        self.ctx = ctx
-        if warn:
-            message = eager_fallback_message(ctx.name, ctx.config.max_graphs, signature)
-            warnings.warn(message, stacklevel=stacklevel)
-            log.warning(message)
-
-    def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
-        ranks = self.ctx.ranks
-        if ranks is None:
-            return self.ctx.run_eager(args, kwargs)
-        agreed = ranks.agree(Phase.EAGER, False, self.ctx.name)
-        with ranks.together(self.ctx.name, agreed, self.ctx.state.modules):
-            return self.ctx.run_eager(args, kwargs)
-
-
-def capture_variant(
-    ctx: StepContext, args: tuple, kwargs: dict, segment_results: list, warm_outputs: list | None
-) -> Variant:
-    """Capture the step for a call with these (static) arguments; every rank agrees it succeeded.
-    On failure the model, optimizer and RNG are put back as they were and the error raised.
-    `warm_outputs`: the output tensors of the last warm-up, described (the output ring is made like them)."""
-    backend = ctx.backend
-    start = time.perf_counter()
-    ctx.modes.choose_before_capture(ctx.state.optimizers)
-    snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
-    captured: dict[str, Any] = {}
-    params = ctx.state.parameters()
-    # Python effects of the step's own code (writes to state that outlives the call): refused at
-    # capture, after the step ran (so that a backend undoes its tensor writes too), and undone.
-    python = effects.watch_writes(
-        ctx.name, allow_writes=ctx.config.allow_python_writes, graphs=backend.static_buffers
-    )
-    # The output ring's memory, made outside the capture (see output_ring.py).
-    device = torch.device("cuda", backend.index) if isinstance(backend, CudaGraphBackend) else "cpu"
-    ring = (
-        output_ring.prepare(warm_outputs, device)
-        if backend.static_buffers and ctx.config.outputs == "clone"
-        else None
-    )
-
-    def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
-        with (
-            # Host random draws are refused, the generators put back (eager segments may draw).
-            host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
-            segments.capturing(splitter, params, segment_results) as session,
-            segments.optimizer_steps_as_segments(ctx.modes.eager),
-            ctx.modes.observing(ctx.state.optimizers, capturing=True),
-            library_segments.calls_as_segments(
-                ctx.name, capturing=True, log_at_capture=backend.static_buffers
-            ),
-            python,
-        ):
-            outputs = ctx.fn(*a, **k)
-            # Inside the capture, so that a refused output also undoes what the step did.
-            captured["spec"], captured["tensors"] = sig.replayable_outputs(
-                outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
-            )
-        captured["segments"] = session.segments
-        captured["ring"] = output_ring.record(ring, captured["tensors"], written=backend.capture_executes)
-        return outputs
-
-    recording, error, guard = None, None, None
-    try:
-        # What the step's Python reads, its non-tensor arguments' contents included.
-        with ranged("graphstep.capture"), ReadWatch(sig.non_tensor_arguments(args, kwargs)) as watch:
-            recording = backend.capture(body, args, kwargs, ctx.generators)
-        if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
-            guard = StateGuard(
-                ctx.state,
-                ctx.fn,
-                strict=ctx.config.check == "strict",
-                grads_before=snapshot.grads,
-                reads=watch.reads,
-                eager_optimizers=ctx.modes.eager,
-                unbaked=ctx.optim.can_stay_in_graph,
-            )
-            # Before the ranks agree: a read strict_reads refuses fails the capture on every rank.
-            guard.reads.report_unwatched(ctx.name, strict=ctx.config.strict_reads)
-    except BaseException as exc:
-        error = exc
-    if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
-        failed = ctx.ranks.capture_failure(ctx.name, error)
-        if failed is not None and error is None:
-            error = failed
-    if error is not None:
-        if recording is not None:  # the backend captured, then a read or another rank failed it
-            undo = getattr(recording, "undo", None)
-            recording.release()
-            if undo is not None:
-                undo()
-        snapshot.restore()
-        python.roll_back()
-        if not isinstance(error, Exception):
-            raise error
-        converted = error if isinstance(error, GraphStepError) else capture_error(ctx.name, error)
-        if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
-            # An optimizer's step stopped the capture and now runs as an eager segment: again.
-            return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)
-        if converted is error:
-            raise error
-        raise converted from error
-    if isinstance(recording, PartsRecording):
-        recording.undo = None  # accepted: the writes it could take back are the step's
-        recording.segments = captured["segments"]
-        recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
-        recording.host_draws = captured.get("host_draws", [])
-        recording.ring = captured["ring"]
-    recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
-    if isinstance(backend, CudaGraphBackend):
-        torch.cuda.synchronize(backend.index)
-    ctx.stats.captures += 1
-    ctx.stats.capture_s += time.perf_counter() - start
-    return Variant(
-        recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes.epoch
-    )
 
 
 def _give_up(ctx: StepContext, changes: tuple[str, ...]) -> None:

@@ -7,12 +7,15 @@ reference, keep its results, put the state back
 (values and Python references, RNG included), replay the graph, and compare outputs and every
 state tensor, bitwise or within `Config.verify_tolerance`. A mismatch raises a
 `VerificationError` naming the first differing tensor; the state is then the replay's.
+`verified_replay` is such a replay of a lifecycle's current graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +23,9 @@ from . import signature as sig
 from .errors import VerificationError
 from .guards.state_guard import named_state_tensors
 from .state import Snapshot, TrainingState
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
@@ -68,3 +74,40 @@ def verify(
                 "torch.use_deterministic_algorithms(True), or set Config.verify_tolerance."
             )
     return outputs
+
+
+def verified_replay(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
+    """A replay checked against a reference run of the same step (`Config(verify_every=N)`)."""
+    ctx = life.ctx
+    # The reference run reads the same static buffers the replay will.
+    buffers = life.inputs.tensors
+    inputs = sig.unflatten(life.signature.spec, buffers) if buffers else (args, kwargs)
+    if ctx.config.verify_against == "capture":
+        reference = functools.partial(_fresh_capture_run, life, leaves, *inputs)
+    else:
+        reference = functools.partial(ctx.backend.warmup, ctx.fn, *inputs, in_pool=False)
+    return verify(
+        ctx.state,
+        ctx.fn,
+        ctx.backend.cuda_devices,
+        run_reference=reference,
+        replay=lambda: life.current.recording.replay(args, kwargs),
+        tolerance=ctx.config.verify_tolerance,
+    )
+
+
+def _fresh_capture_run(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
+    """Capture this call afresh from the current state and run it once (`verify_against=
+    "capture"`): a graph that baked a stale value differs from it, while a library's
+    capture-only code path (transformers') is taken by both."""
+    stats = life.ctx.stats
+    kept_current, kept, counted = life.current, list(life.variants), dataclasses.astuple(stats)
+    try:
+        return life.capture(leaves, args, kwargs, replaced=[])
+    finally:
+        fresh = life.current
+        life.variants, life.current = kept, kept_current
+        for field, value in zip(dataclasses.fields(stats), counted):
+            setattr(stats, field.name, value)  # a check, not a step: the counters stay as they were
+        if fresh is not kept_current:
+            fresh.recording.release()

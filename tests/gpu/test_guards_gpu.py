@@ -10,6 +10,7 @@ from gpu_common import assert_same_params, batches, deterministic, gpt_pair, nee
 
 import graphstep
 from graphstep.errors import HostSyncError
+from graphstep.guards.churn import VariantChurn
 
 pytestmark = needs_cuda
 
@@ -175,3 +176,54 @@ def test_explain_on_the_gpu_finds_the_host_sync_and_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     step.close()
+
+
+MOMENTUM = [0.99 + 0.0002 * i for i in range(30)]  # a teacher's EMA momentum schedule
+it = 0  # the training loop's step counter, read by the step
+
+
+def teacher_step(student, teacher, opt):
+    """DINO/BYOL-style: the teacher follows the student by an EMA whose momentum is read as a
+    Python float through the global counter `it`."""
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = student(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        m = MOMENTUM[it]
+        with torch.no_grad():
+            torch._foreach_mul_(list(teacher.parameters()), m)
+            torch._foreach_add_(list(teacher.parameters()), list(student.parameters()), alpha=1 - m)
+        return loss
+
+    return step
+
+
+def test_a_momentum_read_through_a_counter_that_churns_runs_eagerly_then_captures_again():
+    """Held still for the warm-ups, the capture and some replays; then changing on 12 calls in a row
+    (every call would capture a graph never replayed); then still again. Every call is bitwise equal
+    to eager; the captures are bounded, and the step captures again and replays once it holds."""
+    global it
+    (m_e, o_e), (m_g, o_g) = gpt_pair()
+    t_e, t_g = (copy.deepcopy(m).requires_grad_(False) for m in (m_e, m_g))
+    eager_fn = teacher_step(m_e, t_e, o_e)
+    data = batches(30)
+    history = []
+    with (
+        deterministic(),
+        graphstep.capture(teacher_step(m_g, t_g, o_g), model=[m_g, t_g], optimizer=o_g) as step,
+    ):
+        for i, (x, y) in enumerate(data):
+            it = 0 if i < 8 else min(i - 7, 12)  # changes on calls 8 to 19
+            history.append(step.stats)
+            e, g = eager_fn(x, y), step(x, y)
+            assert torch.equal(e, g), f"step {i}: eager {e.item()} != graphstep {g.item()}"
+        s = step.stats
+    assert_same_params(m_e, m_g)
+    assert_same_params(t_e, t_g)
+    assert s.captures <= 1 + VariantChurn.CALLS + 1 and s.churn_calls >= 12 - VariantChurn.CALLS - 1, s
+    assert s.captures > history[20].captures, s  # captured again once the value held still ...
+    assert s.replays - history[22].replays == 8 and s.captures == history[22].captures, s  # ... and replays

@@ -281,6 +281,7 @@ def graphstep_stats(stats: Any, before: Any = None) -> dict[str, Any]:
     """The counters a row keeps (a re-capture storm shows in `captures` and `variants`), and the
     host time per replay over the calls since `before` (None when none replayed)."""
     keys = ("warmup_calls", "captures", "variants", "variant_switches", "replays", "eager_calls")
+    keys += ("churn_calls",)
     out: dict[str, Any] = {k: getattr(stats, k, None) for k in keys}
     out["capture_s"] = getattr(stats, "capture_s", None)
     pool = getattr(stats, "pool_bytes", None)

@@ -9,6 +9,8 @@
 - `optimizer.py`: the optimizer part of a guard (param groups, baked numbers, per-parameter state).
 - `fastcheck.py` (+ `_fastcheck.cpp`): the optional C++ helper for the O(tensors) checks.
 - `change.py`: `Change`, one reason a guard fails.
+- `churn.py`: `VariantChurn`, a value that changes on every call (a capture per call, never replayed),
+  and the eager calls that wait it out.
 """
 
 from .state_guard import StateGuard, bindings, named_state_tensors, trainable

@@ -238,7 +238,10 @@ class Contents:
         current = {id(root): root.value for root in self.roots}
         current.update((id(root), ns.get(name, MISSING)) for root, ns, name in self.bound)
         current.update((id(root), cell_value(cell)) for root, cell in self.cells)
+        moved = self._moved(current)
         for root in self.roots:
+            if id(root) not in moved:  # every object of it is the one seen: its walk would be equal
+                continue
             walk = Walk(self.names, {}, root.label, root.walk.skip)
             try:
                 frozen = walk.freeze(current[id(root)], "")
@@ -252,6 +255,22 @@ class Contents:
                 ]
                 found += diffs[:5] or [(f"{root.label}: its contents changed", False)]
         return found
+
+    def _moved(self, current: dict[int, Any]) -> set[int]:
+        """Ids of the roots that are not, object for object, what `holds()` last saw (only those are
+        walked again: a loop's counter beside a long schedule list costs no walk of the list)."""
+        is_ = operator.is_
+        moved = {id(root) for root in self.roots if current[id(root)] is not root.value}
+        for root, d, keys, values in self.dicts + self.watched_dicts:
+            if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
+                moved.add(id(root))
+        for root, get, keys, values in self.subsets + self.watched_subsets:
+            if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
+                moved.add(id(root))
+        for root, c, items in self.seqs:
+            if len(c) != len(items) or not all(map(is_, c, items)):
+                moved.add(id(root))
+        return moved
 
     def describe(self) -> list[str]:
         return [

@@ -177,13 +177,16 @@ class ReadGuard:
 
     def changes(self) -> list[tuple[str, bool]]:
         """(text, is_value_change) per difference."""
+        return self.binding_changes() + self.contents.changes()
+
+    def binding_changes(self) -> list[tuple[str, bool]]:
+        """`changes()` of the globals and closure cells alone (not the contents of containers)."""
         current = [
             (label, ns.get(name, MISSING), value, by_value)
             for label, ns, name, value, by_value in self.globals
         ]
         current += [(label, cell_value(cell), value, by_value) for label, cell, value, by_value in self.cells]
-        found = [d for label, now, value, by_value in current if (d := change(label, value, now, by_value))]
-        return found + self.contents.changes()
+        return [d for label, now, value, by_value in current if (d := change(label, value, now, by_value))]
 
 
 def unwatched_message(step: str, unwatched: list[str]) -> str:

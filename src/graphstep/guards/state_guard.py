@@ -174,7 +174,9 @@ class StateGuard:
         if reads is None or not reads.complete:
             reads = Reads.of_function(fn)
         owners = {
-            id(m): name for prefix, root in state.named_modules_roots() for name, m in _named(prefix, root)
+            id(m): name
+            for prefix, root in state.named_modules_roots()
+            for name, m in named_modules(prefix, root)
         }
         self.reads = ReadGuard(reads, owners)
         graph_state = dataclasses.replace(
@@ -231,7 +233,7 @@ class StateGuard:
         """The same reads as `_tensors_hold()`, in C++, when the helper is built (see fastcheck.py)."""
         roots = state.named_modules_roots() + extra
         self.modules = barriers.ModuleWatch(
-            [nm for prefix, root in roots for nm in _named(prefix, root)],
+            [nm for prefix, root in roots for nm in named_modules(prefix, root)],
             scan=strict,
             skip=reads.module_writes,
         )
@@ -426,6 +428,7 @@ def holds_parts(guard: StateGuard) -> dict[str, Callable[[], Any]]:
     return parts
 
 
-def _named(prefix: str, root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def named_modules(prefix: str, root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`root` and its submodules, named from `prefix` (`model`, `model.encoder.0`, ...)."""
     for name, m in root.named_modules():
         yield (f"{prefix}.{name}" if name else prefix), m
