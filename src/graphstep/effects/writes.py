@@ -195,7 +195,7 @@ class WriteWatch:
             self.roll_back()
             return
         if self.writes and not self.allow:
-            message = self.message()
+            message = refusal(self.step_name, self.writes)
             self.roll_back()
             raise PythonWriteError(message)
         if self.writes:
@@ -219,27 +219,6 @@ class WriteWatch:
         writes, self.writes = self.writes, []
         for write in reversed(writes):
             write.undo()
-
-    def message(self) -> str:
-        listed = []
-        for w in self.writes:
-            line = f"  - {w.where}: {w.what}"
-            if line not in listed:
-                listed.append(line)
-        return (
-            f"capturing {self.step_name} refused: its code writes Python state that outlives the call:\n"
-            + "\n".join(listed)
-            + "\nA replay runs the captured GPU work only, no Python: eagerly these writes happen on every "
-            "call, with graphstep only in warm-up and at capture, then never again, and the results would "
-            "differ from eager without a word.\n"
-            "Instead: keep the value in a device tensor updated in place (a buffer: "
-            '`self.register_buffer("seen", torch.zeros((), dtype=torch.long))` and `self.seen.add_(1)`), '
-            "move the write out of the step (after the call returns), or return the value from the step. "
-            "A write that changes nothing the step computes may be allowed with "
-            "graphstep.Config(allow_python_writes=True).\n"
-            "Nothing was lost: the model, optimizer, inputs and the Python state written are as they were "
-            "before this call."
-        )
 
     # -- the hooks ------------------------------------------------------------------------------
 
@@ -377,6 +356,29 @@ class WriteWatch:
         if _asynchronous(frame):  # not the step's work, though it ran during it
             return
         self.writes.append(Write(self._where(frame, line), what, undo, attribute))
+
+
+def refusal(step_name: str, writes: list[Write]) -> str:
+    """The text of the `PythonWriteError` that refuses `writes`."""
+    listed = []
+    for w in writes:
+        line = f"  - {w.where}: {w.what}"
+        if line not in listed:
+            listed.append(line)
+    return (
+        f"capturing {step_name} refused: its code writes Python state that outlives the call:\n"
+        + "\n".join(listed)
+        + "\nA replay runs the captured GPU work only, no Python: eagerly these writes happen on every "
+        "call, with graphstep only in warm-up and at capture, then never again, and the results would "
+        "differ from eager without a word.\n"
+        "Instead: keep the value in a device tensor updated in place (a buffer: "
+        '`self.register_buffer("seen", torch.zeros((), dtype=torch.long))` and `self.seen.add_(1)`), '
+        "move the write out of the step (after the call returns), or return the value from the step. "
+        "A write that changes nothing the step computes may be allowed with "
+        "graphstep.Config(allow_python_writes=True).\n"
+        "Nothing was lost: the model, optimizer, inputs and the Python state written are as they were "
+        "before this call."
+    )
 
 
 def _asynchronous(frame: types.FrameType | None) -> bool:

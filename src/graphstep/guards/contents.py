@@ -259,17 +259,16 @@ class Contents:
     def _moved(self, current: dict[int, Any]) -> set[int]:
         """Ids of the roots that are not, object for object, what `holds()` last saw (only those are
         walked again: a loop's counter beside a long schedule list costs no walk of the list)."""
-        is_ = operator.is_
         moved = {id(root) for root in self.roots if current[id(root)] is not root.value}
-        for root, d, keys, values in self.dicts + self.watched_dicts:
-            if len(d) != len(keys) or not all(map(is_, d.values(), values)) or not all(map(is_, d, keys)):
-                moved.add(id(root))
-        for root, get, keys, values in self.subsets + self.watched_subsets:
-            if not all(map(is_, map(get, keys, itertools.repeat(MISSING)), values)):
-                moved.add(id(root))
-        for root, c, items in self.seqs:
-            if len(c) != len(items) or not all(map(is_, c, items)):
-                moved.add(id(root))
+        lists = (
+            self.dicts + self.watched_dicts,
+            self.subsets + self.watched_subsets,
+            self.seqs,
+            self.stores,
+            self.calls,
+        )
+        while (root := _changed(*lists, moved)) is not None:  # each check kind, as `holds()` runs it
+            moved.add(id(root))
         return moved
 
     def describe(self) -> list[str]:
