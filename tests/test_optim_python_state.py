@@ -251,3 +251,37 @@ def test_explain_says_where_each_optimizer_runs_and_why():
         train_step(device_model, device_opt), model=device_model, optimizer=device_opt, config=recording()
     )
     assert "DeviceCounter.step(): in the graph" in str(graphstep.explain(other, x, y))
+
+
+class LastGradByReference(torch.optim.Optimizer):
+    """Keeps the previous gradient by reference, as timm 1.0.29's Mars does (`state["last_grad"] =
+    grad`), and steps along the difference. Eagerly each step's gradient is a new tensor; a graph
+    writes every step's into one buffer, so the reference would follow it."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                last = state.get("last_grad")
+                direction = p.grad if last is None else p.grad + 0.5 * (p.grad - last)
+                p.add_(direction, alpha=-group["lr"])
+                state["last_grad"] = p.grad
+
+
+@pytest.mark.parametrize("mode", ["auto", "eager"])
+def test_an_optimizer_keeping_a_gradient_by_reference_gets_a_copy_in_its_segment(mode, caplog):
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        step = run_pair(twins(lambda m: LastGradByReference(m.parameters())), recording(optimizer_mode=mode))
+    assert step.stats.captures == 1
+    if mode == "auto":
+        (message,) = moved(caplog)
+        assert "keeps a gradient by reference" in message and "state[param 0]['last_grad']" in message
+
+
+def test_in_graph_mode_an_optimizer_keeping_a_gradient_by_reference_is_refused():
+    with pytest.raises(graphstep.errors.UnsupportedOptimizerError, match="by reference"):
+        run_pair(twins(lambda m: LastGradByReference(m.parameters())), recording(optimizer_mode="graph"))

@@ -74,7 +74,7 @@ def capture_variant(
             # Host random draws are refused, the generators put back (eager segments may draw).
             host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
             segments.capturing(splitter, params, segment_results) as session,
-            segments.optimizer_steps_as_segments(ctx.modes.eager),
+            segments.optimizer_steps_as_segments(ctx.modes.eager, ctx.modes.fresh_grads()),
             ctx.modes.observing(ctx.state.optimizers, capturing=True),
             library_segments.calls_as_segments(
                 ctx.name, capturing=True, log_at_capture=backend.static_buffers

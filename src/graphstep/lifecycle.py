@@ -255,7 +255,7 @@ class Lifecycle:
         with (
             ranged("graphstep.warmup"),
             segments.watching_warmup() as watch,
-            segments.optimizer_steps_as_segments(ctx.modes.eager),
+            segments.optimizer_steps_as_segments(ctx.modes.eager, ctx.modes.fresh_grads()),
             ctx.modes.observing(ctx.state.optimizers),
             library_segments.calls_as_segments(ctx.name, capturing=False),
             ReadWatch(sig.non_tensor_arguments(args, kwargs))

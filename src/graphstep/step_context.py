@@ -75,6 +75,7 @@ class StepContext:
             optim,
             config.optimizer_mode if backend.static_buffers else "graph",
             name,
+            graphs=backend.static_buffers,
             host_tensors=bool(backend.cuda_devices),
         )
         if backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor

@@ -230,7 +230,9 @@ def eager_segment(fn: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+def optimizer_steps_as_segments(
+    optimizers: list[torch.optim.Optimizer], fresh_grads: list[torch.optim.Optimizer] = ()
+) -> Iterator[None]:
     """While warming up or capturing: route each of `optimizers`' `step()` through an eager segment.
 
     A step called with a closure (Lightning always passes one) is split where torch's own step
@@ -238,13 +240,16 @@ def optimizer_steps_as_segments(optimizers: list[torch.optim.Optimizer]) -> Iter
     before the segment, and the update is the segment, which returns the closure's loss from the
     graph. That is exact for an optimizer whose step calls the closure once, first, under
     `enable_grad` (every torch.optim optimizer but LBFGS, which graphstep refuses); one that calls
-    it again is stopped with a `CaptureError` (see `_OneEvaluation`)."""
+    it again is stopped with a `CaptureError` (see `_OneEvaluation`). `fresh_grads`: those of them
+    whose step keeps a gradient by reference; their segment hands the step a copy of each gradient at
+    replay, as eager hands it a new tensor every step (a graph writes every step's into one buffer)."""
     # What the instance held before (a torch LR scheduler wraps `opt.step` on the instance to notice
     # the step was called): put back afterwards, not dropped.
     held = [(opt, opt.__dict__.get("step")) for opt in optimizers]
     for opt in optimizers:
         step = opt.step
-        opt.step = functools.partial(_segment_step, opt, step, f"{type(opt).__qualname__}.step")
+        fresh = any(opt is o for o in fresh_grads)
+        opt.step = functools.partial(_segment_step, opt, step, f"{type(opt).__qualname__}.step", fresh)
     try:
         yield
     finally:
@@ -260,7 +265,12 @@ _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 
 
 def _segment_step(
-    opt: torch.optim.Optimizer, step: Callable, name: str, closure: Callable | None = None, **kwargs: Any
+    opt: torch.optim.Optimizer,
+    step: Callable,
+    name: str,
+    fresh: bool,
+    closure: Callable | None = None,
+    **kwargs: Any,
 ) -> Any:
     if not isinstance(_active(), _Capture):  # warm-up: the real step, eagerly, as torch runs it
         if closure is None:
@@ -277,17 +287,32 @@ def _segment_step(
     # a replay runs the segment without GradScaler around it, so the segment sets them itself (the
     # tensors the graph computes them into).
     amp = {key: opt.__dict__[key] for key in _AMP_ATTRIBUTES if key in opt.__dict__}
-    run(_update, (opt, step, name, closure is not None, loss, kwargs, amp), {}, name, returns_none=True)
+    run(
+        _update, (opt, step, name, closure is not None, loss, kwargs, amp, fresh), {}, name, returns_none=True
+    )
     return loss
 
 
 def _update(
-    opt: torch.optim.Optimizer, step: Callable, name: str, closed: bool, loss: Any, kwargs: dict, amp: dict
+    opt: torch.optim.Optimizer,
+    step: Callable,
+    name: str,
+    closed: bool,
+    loss: Any,
+    kwargs: dict,
+    amp: dict,
+    fresh: bool,
 ) -> None:
     """The segment of an optimizer step: the update (handed the loss the graph computed, if the step
-    was called with a closure), with GradScaler's attributes as at capture."""
+    was called with a closure), with GradScaler's attributes as at capture; `fresh`: with a copy of
+    each gradient, put back to the graph's buffer after the step."""
     before = {key: opt.__dict__[key] for key in amp if key in opt.__dict__}
     opt.__dict__.update(amp)
+    buffers = (
+        [(p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None] if fresh else []
+    )
+    for p, grad in buffers:
+        p.grad = grad.clone()
     try:
         if not closed:
             step(**kwargs)
@@ -296,6 +321,8 @@ def _update(
         step(evaluation, **kwargs)
         evaluation.check_called()
     finally:
+        for p, grad in buffers:  # the graph's buffers again, as the capture left them
+            p.grad = grad
         for key in amp:
             if key in before:
                 opt.__dict__[key] = before[key]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from ..diagnostics import log
-from ..errors import HostSyncError, PythonWriteError
+from ..errors import HostSyncError, PythonWriteError, UnsupportedOptimizerError
 from .adapter import OptimizerAdapter
 from .python_state import StepObserver
 
@@ -23,8 +23,18 @@ from .python_state import StepObserver
 class OptimizerModes:
     """The optimizers of one captured step whose `step()` runs as an eager segment."""
 
-    def __init__(self, adapter: OptimizerAdapter, mode: str, step_name: str, *, host_tensors: bool = False):
+    def __init__(
+        self,
+        adapter: OptimizerAdapter,
+        mode: str,
+        step_name: str,
+        *,
+        graphs: bool = False,
+        host_tensors: bool = False,
+    ):
         self.adapter = adapter
+        self.graphs = graphs
+        """The backend captures graphs (the eager backend runs every step eagerly: nothing to watch)."""
         self.mode = mode
         """`Config.optimizer_mode`: "auto", "graph" or "eager"."""
         self.step_name = step_name
@@ -38,12 +48,16 @@ class OptimizerModes:
     def observing(
         self, optimizers: Iterable[torch.optim.Optimizer], *, capturing: bool = False
     ) -> contextlib.AbstractContextManager:
-        """While warming up or capturing: note what the steps of the optimizers still in the graph
-        change in Python, and which step raised (in "auto" mode; the others have nothing to decide)."""
-        if self.mode != "auto":
+        """While warming up or capturing (graphs only): note what each optimizer's step changes in
+        Python, whether it keeps a gradient by reference, and which step raised."""
+        if not self.graphs:
             return contextlib.nullcontext()
-        during = "the capture" if capturing else "the last warm-up"
-        return self.observer.watching([opt for opt in optimizers if not self.is_eager(opt)], during)
+        return self.observer.watching(optimizers, "the capture" if capturing else "the last warm-up")
+
+    def fresh_grads(self) -> list[torch.optim.Optimizer]:
+        """The eager optimizers whose step keeps a gradient by reference: their segment is handed a
+        copy of each gradient (a graph reuses one buffer; eager makes a new gradient every step)."""
+        return [opt for opt in self.eager if self.observer.keeps_grads(opt)]
 
     def after_failed_capture(self, error: BaseException, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
         """In "auto" mode, after a capture failed: an optimizer whose step raised the host sync that
@@ -92,6 +106,13 @@ class OptimizerModes:
         a scheduler attached (torch's schedulers add `initial_lr`, and `base_momentum` when they cycle
         momentum) that changes a value it bakes. Only for backends that capture graphs: the eager
         backend runs every step eagerly already."""
+        if self.mode == "graph" and self.graphs:
+            kept = [opt for opt in optimizers if self.observer.keeps_grads(opt)]
+            if kept:
+                raise UnsupportedOptimizerError(
+                    f'{type(kept[0]).__qualname__} cannot run in a graph (Config(optimizer_mode="graph")): '
+                    f'{self.observer.reason(kept[0])}. Use optimizer_mode="auto" or "eager".'
+                )
         if self.mode != "auto":
             return
         for opt in optimizers:

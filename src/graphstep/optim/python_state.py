@@ -79,6 +79,26 @@ def _collect(path: str, value: Any, found: dict, host_tensors: bool, depth: int)
             _collect(f"{path}[{key!r}]", item, found, host_tensors, depth + 1)
 
 
+def grad_references(opt: Any) -> list[str]:
+    """Paths of `opt.state` tensors that share storage with a parameter's `.grad` (timm 1.0.29's Mars
+    keeps `state["last_grad"] = grad`): eagerly each step's gradient is a new tensor, so the reference
+    keeps the last one; a graph reuses one buffer, so the reference would see the new gradient."""
+    params = [p for g in getattr(opt, "param_groups", ()) for p in g["params"]]
+    grads = {
+        p.grad.untyped_storage().data_ptr()
+        for p in params
+        if p.grad is not None and p.grad.layout == torch.strided and p.grad.numel()
+    }
+    index = {id(p): i for i, p in enumerate(params)}
+    found = []
+    for param, entries in getattr(opt, "state", {}).items():
+        for key, value in entries.items() if isinstance(entries, dict) else ():
+            strided = isinstance(value, torch.Tensor) and value.layout == torch.strided and value.numel()
+            if strided and value.untyped_storage().data_ptr() in grads:
+                found.append(f"state[param {index.get(id(param), '?')}][{key!r}]")
+    return found
+
+
 def same(a: Any, b: Any) -> bool:
     """Equal as a step would read them (NaN equals NaN; a host tensor by its values and dtype)."""
     if a is b:
@@ -138,6 +158,8 @@ class Observed:
     seconds: float
     during: str
     """Which call it was seen in ("the last warm-up", "the capture")."""
+    grad_references: list[str] = dataclasses.field(default_factory=list)
+    """Paths of state tensors that are a parameter's `.grad` after the step (kept by reference)."""
 
 
 class StepObserver:
@@ -150,8 +172,8 @@ class StepObserver:
         self.seen: dict[int, Observed] = {}
         self._pending: dict[int, tuple[dict[str, Any], float]] = {}
         self.interrupted: list[torch.optim.Optimizer] = []
-        self.during = "the last warm-up"
         """The optimizers whose step raised inside the last `watching` (their post-hook never ran)."""
+        self.during = "the last warm-up"
 
     @contextmanager
     def watching(
@@ -200,12 +222,26 @@ class StepObserver:
         before, start = started
         seconds = time.perf_counter() - start
         after = values(opt, host_tensors=self.host_tensors)
-        self.seen[id(opt)] = Observed(changes(before, after), seconds, self.during)
+        self.seen[id(opt)] = Observed(changes(before, after), seconds, self.during, grad_references(opt))
+
+    def keeps_grads(self, opt: torch.optim.Optimizer) -> bool:
+        """`opt`'s last observed step kept a parameter's `.grad` in its state by reference."""
+        observed = self.seen.get(id(opt))
+        return observed is not None and bool(observed.grad_references)
 
     def reason(self, opt: torch.optim.Optimizer) -> str | None:
         """Why `opt`'s step cannot be in a graph, from its last observed step, or None."""
         observed = self.seen.get(id(opt))
-        if observed is None or not observed.changes:
+        if observed is None:
+            return None
+        if observed.grad_references:
+            return (
+                f"its step keeps a gradient by reference ({', '.join(observed.grad_references[:3])} is a "
+                "parameter's .grad): a graph writes every step's gradients into the same buffers, so the kept "
+                "one would follow them; as an eager segment it is handed a copy of each gradient, as eager's "
+                "fresh gradients are"
+            )
+        if not observed.changes:
             return None
         listed = observed.changes[:4] + (
             [f"... {len(observed.changes) - 4} more"] if len(observed.changes) > 4 else []
