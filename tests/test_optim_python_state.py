@@ -117,6 +117,12 @@ def test_changes_name_each_value_and_ignore_device_tensors_and_new_flags():
     opt.state[opt.param_groups[0]["params"][0]]["step"] = torch.zeros(())
     assert "state[param 0]['step']" not in python_state.values(opt, host_tensors=False)
     assert "state[param 0]['step']" in python_state.values(opt, host_tensors=True)
+    opt.state["k"] = torch.tensor([3])  # a count of the optimizer's own beside its parameters' (MADGRAD)
+    before = python_state.values(opt, host_tensors=True)
+    opt.state["k"] += 1
+    assert python_state.changes(before, python_state.values(opt, host_tensors=True)) == [
+        "state['k']: a host tensor [3] -> a host tensor [4]"
+    ]
 
 
 # -- the real packages ------------------------------------------------------------------------------

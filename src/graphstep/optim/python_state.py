@@ -52,10 +52,18 @@ def _optimizer(opt: Any, prefix: str, found: dict, host_tensors: bool, depth: in
             if key != "params":
                 _collect(f"{prefix}param_groups[{i}][{key!r}]", value, found, host_tensors, 0)
     for param, entries in getattr(opt, "state", {}).items():
-        where = f"{prefix}state[param {params.get(id(param), '?')}]"
         if isinstance(entries, dict):
+            where = f"{prefix}state[param {params.get(id(param), '?')}]"
             for key, value in entries.items():
                 _collect(f"{where}[{key!r}]", value, found, host_tensors, 0)
+        else:  # a value of the optimizer's own beside its parameters' (MADGRAD's state["k"])
+            _collect(
+                f"{prefix}state[{param!r}]" if isinstance(param, str) else f"{prefix}state[?]",
+                entries,
+                found,
+                host_tensors,
+                0,
+            )
     for name, value in vars(opt).items():
         if name in _OWN:
             continue
