@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -253,3 +254,11 @@ def everything(full: bool = True) -> Iterator[tuple[str, str, Maker]]:
 
 def table(rows: list[Row], device_line: str) -> str:
     return "\n".join([device_line, "", HEADER, *(r.markdown() for r in rows)]) + "\n"
+
+
+def save_table(rows: list[Row], device_line: str) -> None:
+    """Write the rows where GRAPHSTEP_OPTIMIZER_TABLE says (the fixture of both table tests ends so)."""
+    path = os.environ.get("GRAPHSTEP_OPTIMIZER_TABLE")
+    if path and rows:
+        with open(path, "w") as f:
+            f.write(table(rows, device_line))

@@ -20,7 +20,7 @@ from cpu_common import TinyNet, batches
 from graphstep.effects import trusted
 from graphstep.errors import PythonWriteError
 from graphstep.guards.user_code import is_user_file
-from test_effects_writes import equal_over_steps, line_of, refused
+from test_effects_writes import equal_over_steps, line_of, refused, train, twins
 
 LIBRARY = '''
 """A package as pip would install it: a module wrapper that keeps Python bookkeeping."""
@@ -80,17 +80,6 @@ def wrapped(library, counting: bool):
     return Wrapped
 
 
-def train(model, opt):
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
-
-
 def test_a_library_counter_is_refused_with_its_line_and_the_users(library):
     model_cls = wrapped(library, counting=True)
     text = refused(model_cls, train, lambda m: m.scaled.calls)
@@ -138,8 +127,6 @@ def test_a_scheduler_stepped_inside_the_step_is_refused():
 
         step.sched = sched
         return step
-
-    from test_effects_writes import twins
 
     (_, _, _eager), (_, _, captured) = twins(TinyNet, with_schedule)
     data = batches(3)

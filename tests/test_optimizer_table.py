@@ -22,11 +22,10 @@ FULL = bool(os.environ.get("GRAPHSTEP_ALL_OPTIMIZERS") or os.environ.get("GRAPHS
 def rows():
     found = []
     yield found
-    path = os.environ.get("GRAPHSTEP_OPTIMIZER_TABLE")
-    if path and found:
-        line = f"CPU ({platform.processor() or platform.machine()}), recording backend, torch {torch.__version__}"
-        with open(path, "w") as f:
-            f.write(optimizer_zoo.table(found, line))
+    optimizer_zoo.save_table(
+        found,
+        f"CPU ({platform.processor() or platform.machine()}), recording backend, torch {torch.__version__}",
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ of docs/optimizers.md). The schedule-free `train()`/`eval()` toggle between call
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -22,11 +21,9 @@ pytestmark = needs_cuda
 def rows():
     found = []
     yield found
-    path = os.environ.get("GRAPHSTEP_OPTIMIZER_TABLE")
-    if path and found:
-        line = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, deterministic mode"
-        with open(path, "w") as f:
-            f.write(optimizer_zoo.table(found, line))
+    optimizer_zoo.save_table(
+        found, f"{torch.cuda.get_device_name()}, torch {torch.__version__}, deterministic mode"
+    )
 
 
 @pytest.mark.parametrize(
