@@ -141,7 +141,7 @@ class OptimizerModes:
         if self.mode == "graph" and observer.reason(opt):
             return (
                 f'{name}.step(): in the graph (Config(optimizer_mode="graph")), but the capture will refuse '
-                f"it (PythonWriteError): {observer.reason(opt)}"
+                f"it: {observer.reason(opt)}"
             )
         why = self.why_eager(opt, observer) if self.mode == "auto" else None
         if why:
