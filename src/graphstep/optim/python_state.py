@@ -10,10 +10,16 @@ attributes (a wrapped optimizer's too), or creates a number there, runs as an ea
 graph replays (`modes.py`); one that keeps every per-step value in device tensors stays in the graph.
 
 What is compared: numbers, flags, strings and None, inside dicts, lists and tuples (bounded), and
-host tensors when the graph runs on a GPU (a CPU step count beside CUDA parameters is host state too).
-Device tensors are left out: the graph updates them. Values a step creates are compared only when
-they are numbers in param groups or state (a first step makes its state lazily; a flag torch sets once,
-such as a warning already given, is no per-step value).
+host tensors when the graph runs on a GPU (a CPU step count beside CUDA parameters is host state too,
+MADGRAD's `state["k"]`). Device tensors are left out: the graph updates them. Values a step creates are
+compared only when they are numbers in param groups or state (a first step makes its state lazily; a
+flag torch sets once, such as a warning already given, is no per-step value).
+
+Also seen: a step that keeps a parameter's `.grad` in its state by reference (timm 1.0.29's Mars keeps
+`state["last_grad"] = grad`). Eagerly every step's gradient is a new tensor, so the reference holds the
+last one; a graph writes every step's gradient into one buffer, so it would follow the new one. Such a
+step runs as an eager segment handed a copy of each gradient (`backends/segments.py`). The capture is
+watched the same way, so that a step that stops a capture can be moved and the step captured again.
 """
 
 from __future__ import annotations
