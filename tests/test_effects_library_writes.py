@@ -16,11 +16,12 @@ import textwrap
 import pytest
 import torch
 
+import graphstep
 from cpu_common import TinyNet, batches
 from graphstep.effects import trusted
 from graphstep.errors import PythonWriteError
 from graphstep.guards.user_code import is_user_file
-from test_effects_writes import equal_over_steps, line_of, refused, train, twins
+from test_effects_writes import RECORDING, equal_over_steps, line_of, refused, train, twins
 
 LIBRARY = '''
 """A package as pip would install it: a module wrapper that keeps Python bookkeeping."""
@@ -134,3 +135,53 @@ def test_a_scheduler_stepped_inside_the_step_is_refused():
         captured(x, y)
     with pytest.raises(PythonWriteError, match="last_epoch"):
         captured(*data[2])
+
+
+CLOSURE_LIBRARY = '''
+"""A package whose helper counts its calls in a closure variable."""
+import torch
+
+
+def make_scaler():
+    calls = 0
+
+    def scale(x):
+        nonlocal calls
+        calls += 1  # library write: a closure counter
+        return x * (1.0 + 0.01 * min(calls, 10))
+
+    return scale, lambda: calls
+'''
+
+
+def test_a_library_closure_counter_is_refused(tmp_path):
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    (root / "closurelib.py").write_text(textwrap.dedent(CLOSURE_LIBRARY))
+    sys.path.insert(0, str(root))
+    try:
+        closurelib = importlib.import_module("closurelib")
+
+        class Scaled(TinyNet):
+            def __init__(self) -> None:
+                super().__init__()
+                self.scale, self.calls = closurelib.make_scaler()
+
+            def forward(self, x):
+                return self.scale(super().forward(x))
+
+        torch.manual_seed(0)
+        model = Scaled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        captured = graphstep.capture(train(model, opt), model=model, optimizer=opt, config=RECORDING)
+        data = batches(3)
+        for x, y in data[:2]:
+            captured(x, y)
+        with pytest.raises(PythonWriteError) as info:
+            captured(*data[2])
+        text = str(info.value)
+        assert "closure variable 'calls': 2 -> 3" in text and "calls += 1" in text, text
+        assert model.calls() == 2, "the counter was put back as the two warm-ups left it"
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("closurelib", None)

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..guards.barriers import cell_value
 from . import values
 
 
@@ -27,7 +28,7 @@ class _First:
     """A place a library wrote, as it was before the first write."""
 
     kind: str
-    """"global", "attr" or "item" (a container's contents)."""
+    """"global", "cell" (a closure variable; `obj` is its cell), "attr" or "item" (a container's contents)."""
     obj: Any
     name: Any
     before: Any
@@ -72,6 +73,12 @@ def _judge(f: _First) -> tuple[str, Callable[[], None], tuple[int, str] | None] 
             values.undo_global(f.obj, f.name, f.before),
             None,
         )
+    if f.kind == "cell":
+        now = cell_value(f.obj)
+        if not _plain_change(f.before, now):
+            return None
+        what = f"closure variable {f.name!r}: {values.shown(f.before)} -> {values.shown(now)}"
+        return what, values.undo_cell(f.obj, f.before), None
     if f.kind == "attr":
         now = values.attr_state(f.obj, f.name)
         now_value = values.MISSING if now is None else now[1]

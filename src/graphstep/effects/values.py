@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
+from ..guards.barriers import MISSING
 
 _LIST_MUTATORS = frozenset(
     [

@@ -325,7 +325,13 @@ class WriteWatch:
 
     def _note_library(self, p: _Pending, frame: types.FrameType) -> None:
         """A library's store: remembered with the value before, judged by its net effect at the end."""
-        if p.kind == "cell" or (p.kind != "global" and not self._census.existed(p.obj)):
+        obj = p.obj
+        if p.kind == "cell":  # a closure variable: its cell, if it existed before the capture
+            now = frame.f_locals.get(p.name, values.MISSING)
+            obj = None if values.same(p.before, now) else values.find_cell(frame.f_code, p.name, now)
+            if obj is None:
+                return
+        if p.kind != "global" and not self._census.existed(obj):
             return
 
         def where() -> str | None:  # the first write to a place only: these walk the stack
@@ -333,7 +339,7 @@ class WriteWatch:
                 return None
             return self._where(frame, p.line)
 
-        self._library.note(p.kind, p.obj, p.name, p.before, p.text, where)
+        self._library.note(p.kind, obj, p.name, p.before, p.text, where)
 
     def _where(self, frame: types.FrameType, line: int) -> str:
         """The store's site; for a library's, the user's line that led there too."""
