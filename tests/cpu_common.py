@@ -37,6 +37,19 @@ def sgd_step(model, opt):
     return step
 
 
+def plain_step(model, opt):
+    """The training step most tests capture: loss, backward, the optimizer's step, zero_grad."""
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def make_twins():
     """(eager model, eager opt), (graphstep model, graphstep opt), identical at the start."""
     model, opt = make_training()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import graphstep
+from cpu_common import plain_step
 from graphstep.errors import GraphStepError
 
 STEPS = 10
@@ -70,17 +71,6 @@ def _data(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -102,7 +92,7 @@ def run(
     try:
         opt = make(model)
         _prepare(opt)
-        eager = _step(model, opt)
+        eager = plain_step(model, opt)
         eager(*data[0])  # does it train eagerly with its defaults at all?
     except Exception as exc:
         row.outcome = f"left out: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
@@ -114,9 +104,9 @@ def run(
         graphstep.optim.make_capturable(opt)
     for o in (opt, twin_opt):
         _prepare(o)
-    eager = _step(model, opt)
+    eager = plain_step(model, opt)
     captured = graphstep.capture(
-        _step(twin, twin_opt),
+        plain_step(twin, twin_opt),
         model=twin,
         optimizer=twin_opt,
         config=graphstep.Config(backend="cuda" if device == "cuda" else "recording", warmup_steps=WARMUPS),

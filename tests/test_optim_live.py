@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphstep
 from cpu_common import TinyNet, batches
+from cpu_common import plain_step as train_step
 from graphstep.diagnostics import host_sync_ops
 from graphstep.errors import GraphStepError, UnsupportedOptimizerError
 from graphstep.optim import OptimizerAdapter, baked_hyperparameters, make_capturable, plan, table
@@ -227,17 +228,6 @@ def _cases():
     for name, impl in ROWS:
         for schedule in SCHEDULES:
             yield pytest.param(name, impl, schedule, id=f"{name}-{impl}-{schedule}")
-
-
-def train_step(model, opt):
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
 
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
