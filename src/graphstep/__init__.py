@@ -1,8 +1,8 @@
 """graphstep: capture a whole PyTorch training step into CUDA graphs, bitwise equal to eager."""
 
 from . import errors
+from .backends.autograd_segments import eager_segment
 from .backends.cuda import capture_stream
-from .backends.segments import eager_segment
 from .capture import CapturedStep, capture
 from .config import Config
 from .diagnostics import StepStats

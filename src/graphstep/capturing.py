@@ -17,7 +17,7 @@ import torch
 
 from . import effects
 from . import signature as sig
-from .backends import library_segments, output_ring, segments
+from .backends import autograd_segments, library_segments, output_ring, segments
 from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .diagnostics import capture_error
@@ -86,6 +86,7 @@ def capture_variant(
             captured["spec"], captured["tensors"] = sig.replayable_outputs(
                 outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)
             )
+        autograd_segments.finish(session.segments)
         captured["segments"] = session.segments
         captured["ring"] = output_ring.record(ring, captured["tensors"], written=backend.capture_executes)
         return outputs
@@ -94,7 +95,13 @@ def capture_variant(
     try:
         # What the step's Python reads, its non-tensor arguments' contents included.
         with ranged("graphstep.capture"), ReadWatch(sig.non_tensor_arguments(args, kwargs)) as watch:
-            recording = backend.capture(body, args, kwargs, ctx.generators)
+            recording = backend.capture(
+                body,
+                args,
+                kwargs,
+                ctx.generators,
+                split_in_backward=any(seen.reach is not None for seen in segment_results),
+            )
         if ctx.config.check != "off" and backend.static_buffers:  # the eager backend bakes nothing
             guard = StateGuard(
                 ctx.state,

@@ -120,10 +120,19 @@ class Backend(Protocol):
         scratch between its replays must not hold tensors that outlive an eager call."""
         ...
 
-    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+    def capture(
+        self,
+        body: CaptureBody,
+        args: tuple,
+        kwargs: dict,
+        generators: list = (),
+        *,
+        split_in_backward: bool = False,
+    ) -> Recording:
         """Record `body` (the step). `args, kwargs`: the call's (the eager backend replays with a
         call's own arguments). `generators`: the step's own CUDA `torch.Generator`s, which a
-        graph must know to advance them on every replay as eager would."""
+        graph must know to advance them on every replay as eager would. `split_in_backward`: an
+        eager segment on the autograd path splits the capture inside autograd's backward thread too."""
         ...
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:

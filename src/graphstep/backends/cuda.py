@@ -112,9 +112,20 @@ class CudaGraphBackend:
         ):
             return fn(*args, **kwargs)
 
-    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+    def capture(
+        self,
+        body: CaptureBody,
+        args: tuple,
+        kwargs: dict,
+        generators: list = (),
+        *,
+        split_in_backward: bool = False,
+    ) -> Recording:
         graphs: list[torch.cuda.CUDAGraph] = []
         capturing = False
+        # A part begun in autograd's backward thread (an eager segment's backward) ends in the
+        # caller's: CUDA lets only a "relaxed" capture end on another thread than it began on.
+        mode = "relaxed" if split_in_backward else "thread_local"
 
         def begin_part() -> None:
             nonlocal capturing
@@ -122,7 +133,7 @@ class CudaGraphBackend:
             for generator in generators:
                 graph.register_generator_state(generator)
             graphs.append(graph)
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.pool, capture_error_mode=mode)
             capturing = True
 
         def end_part() -> None:

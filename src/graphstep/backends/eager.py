@@ -37,7 +37,15 @@ class EagerBackend(HostBackend):
     static_buffers = False
     capture_executes = True
 
-    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> Recording:
+    def capture(
+        self,
+        body: CaptureBody,
+        args: tuple,
+        kwargs: dict,
+        generators: list = (),
+        *,
+        split_in_backward: bool = False,
+    ) -> Recording:
         # The step runs here; if it (or the check of its outputs) fails, take its writes back.
         undo = UndoLog()
         try:

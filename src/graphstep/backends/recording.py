@@ -104,7 +104,15 @@ class RecordingBackend(HostBackend):
     static_buffers = True
     capture_executes = True
 
-    def capture(self, body: CaptureBody, args: tuple, kwargs: dict, generators: list = ()) -> PartsRecording:
+    def capture(
+        self,
+        body: CaptureBody,
+        args: tuple,
+        kwargs: dict,
+        generators: list = (),
+        *,
+        split_in_backward: bool = False,
+    ) -> PartsRecording:
         recorder = _Recorder()
         try:
             # Libraries that take another path while a CUDA stream captures (transformers skips

@@ -7,7 +7,8 @@ next after it, and every replay runs graph, segment, graph, ... on the caller's 
 graphs of a step live in its one memory pool; tensors passed from one part to the next stay at
 the addresses they had at capture.
 
-A segment is any function called through `run` (the public face is `graphstep.eager_segment`);
+A segment is any function called through `run` (the public face is `graphstep.eager_segment`, in
+`autograd_segments.py`, which also takes segments whose results carry autograd history);
 an optimizer in eager mode gets its `step` routed through it during capture. A step called with a
 closure (`opt.step(closure)`, as Lightning calls it) keeps the closure in the graph and makes only
 the update the segment (`optimizer_steps_as_segments`). Outside a capture
@@ -20,7 +21,8 @@ the update the segment (`optimizer_steps_as_segments`). Outside a capture
   before the segment runs at replay (a graph cannot re-run `p.grad = ...`); after the last part,
   `.grad` is put back as the capture left it, exactly what a replay without segments leaves.
 
-Segments run under `torch.no_grad()`: their results carry no autograd history. Host syncs
+Segments run here under `torch.no_grad()`: their results carry no autograd history (those that do
+are `autograd_segments.py`'s). Host syncs
 (`.item()`, `print(tensor)`) are fine in a segment. Each costs a host round trip per call: the
 Python of the segment runs on every replay.
 """
@@ -78,8 +80,8 @@ class Segment:
                 t.shape != b.shape or t.dtype != b.dtype for t, b in zip(tensors, self.outputs)
             ):
                 raise GraphStepError(
-                    f"the eager segment {self.name} returned {_describe(spec, tensors)} at this replay but "
-                    f"{_describe(self.output_spec, self.outputs)} at capture; the graph after it reads "
+                    f"the eager segment {self.name} returned {describe(tensors)} at this replay but "
+                    f"{describe(self.outputs)} at capture; the graph after it reads "
                     "buffers of the captured shape. Return the same structure and shapes every call "
                     "(pad, or compute the varying part outside the captured step)."
                 )
@@ -89,36 +91,51 @@ class Segment:
 
 
 @dataclasses.dataclass(eq=False)
-class _Seen:
+class Seen:
     """A segment's results in a warm-up: the shape of the buffers a capture hands out instead."""
 
     name: str
     spec: Any
     metas: list[sig.TensorMeta]
+    reach: Any = None
+    """For results with autograd history: what the segment's backward reaches (`autograd_segments.Reach`)."""
 
 
-class _Warmup:
+class Warmup:
     """Notes each segment's results during a warm-up, in call order."""
 
     def __init__(self) -> None:
-        self.seen: list[_Seen] = []
+        self.seen: list[Seen] = []
 
 
-class _Capture:
-    def __init__(self, splitter: Splitter, params: list[torch.Tensor], seen: list[_Seen]):
+class Capture:
+    def __init__(self, splitter: Splitter, params: list[torch.Tensor], seen: list[Seen]):
         self.splitter = splitter
         self.params = params
         self.seen = iter(seen)
         self.segments: list[Segment] = []
 
 
-def _active() -> _Warmup | _Capture | None:
-    return getattr(_local, "active", None)
+_PLAIN: Any = object()
+"""The session of a thread that runs a segment's body: nested segments run plainly in it."""
+_captures = 0
+"""Captures in progress, in any thread."""
+
+
+def active() -> Warmup | Capture | None:
+    session = getattr(_local, "active", None)
+    return None if session is _PLAIN else session
+
+
+def capture_elsewhere() -> bool:
+    """A capture is in progress, and this thread is neither capturing nor running a segment's body
+    (autograd's backward thread, recomputing a checkpointed forward)."""
+    return _captures > 0 and getattr(_local, "active", None) is not _PLAIN
 
 
 @contextlib.contextmanager
-def _activate(session: _Warmup | _Capture) -> Iterator[None]:
-    previous = _active()
+def _activate(session: Any) -> Iterator[None]:
+    previous = getattr(_local, "active", None)
     _local.active = session
     try:
         yield
@@ -127,20 +144,25 @@ def _activate(session: _Warmup | _Capture) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def watching_warmup() -> Iterator[_Warmup]:
+def watching_warmup() -> Iterator[Warmup]:
     """Around a warm-up: note what each segment returns (the next capture hands out such buffers)."""
-    session = _Warmup()
+    session = Warmup()
     with _activate(session):
         yield session
 
 
 @contextlib.contextmanager
-def capturing(splitter: Splitter, params: list[torch.Tensor], seen: list[_Seen]) -> Iterator[_Capture]:
+def capturing(splitter: Splitter, params: list[torch.Tensor], seen: list[Seen]) -> Iterator[Capture]:
     """Around a capture: each segment call ends a part and begins the next. `seen`: the results
     noted in the last warm-up; `params`: whose `.grad` a segment must find attached at replay."""
-    session = _Capture(splitter, params, seen)
-    with _activate(session):
-        yield session
+    global _captures
+    session = Capture(splitter, params, seen)
+    _captures += 1
+    try:
+        with _activate(session):
+            yield session
+    finally:
+        _captures -= 1
 
 
 def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: bool = False) -> Any:
@@ -148,26 +170,26 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: boo
 
     `returns_none`: `fn`'s result is ignored (an optimizer step), so a capture needs no warm-up's
     notes of it: a step whose optimizer just moved to an eager segment can capture at once."""
-    session = _active()
+    session = active()
     if session is None:
         return fn(*args, **kwargs)
     if returns_none:
-        if isinstance(session, _Warmup):
-            _plainly(fn, args, kwargs)
+        if isinstance(session, Warmup):
+            plainly(fn, args, kwargs)
         else:
-            _split(session, fn, args, kwargs, name, _Seen(name, _NONE_SPEC, []))
+            split(session, fn, args, kwargs, name, Seen(name, _NONE_SPEC, []))
         return None
-    if isinstance(session, _Warmup):
+    if isinstance(session, Warmup):
         with torch.no_grad():
-            results = _plainly(fn, args, kwargs)
+            results = plainly(fn, args, kwargs)
         tensors, spec = sig.flatten(results)
-        _check_results(name, spec)
-        session.seen.append(_Seen(name, spec, [sig.TensorMeta.of(t) for t in tensors]))
+        check_results(name, spec)
+        session.seen.append(Seen(name, spec, [sig.TensorMeta.of(t) for t in tensors]))
         return sig.unflatten(spec, [t.detach() for t in tensors])
-    return _split(session, fn, args, kwargs, name, next(session.seen, None))
+    return split(session, fn, args, kwargs, name, next(session.seen, None))
 
 
-def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str, seen: _Seen | None) -> Any:
+def split(session: Capture, fn: Callable, args: tuple, kwargs: dict, name: str, seen: Seen | None) -> Any:
     if seen is None or seen.name != name:
         raise CaptureError(
             f"the capture reached the eager segment {name}, which the last warm-up "
@@ -179,7 +201,7 @@ def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str
     grads = [(p, p.grad) for p in session.params]
     if splitter.executes:  # the step really runs while capturing: so does the segment
         with torch.no_grad():
-            results = _plainly(fn, args, kwargs)
+            results = plainly(fn, args, kwargs)
         tensors, spec = sig.flatten(results)
         outputs = [t.detach() for t in tensors]
     else:
@@ -190,14 +212,14 @@ def _split(session: _Capture, fn: Callable, args: tuple, kwargs: dict, name: str
     return sig.unflatten(spec, outputs)
 
 
-def _plainly(fn: Callable, args: tuple, kwargs: dict) -> Any:
+def plainly(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """Run a segment's body as plain eager code: a segment it calls (an eager optimizer's step
     inside GradScaler's) is part of it, not a split of its own, as it is at replay."""
-    with _activate(None):
+    with _activate(_PLAIN):
         return fn(*args, **kwargs)
 
 
-def _check_results(name: str, spec: Any) -> None:
+def check_results(name: str, spec: Any) -> None:
     for path, leaf in sig.paths(spec, "result"):
         if not sig.is_tensor_leaf(leaf) and sig.value_of(leaf) is not None:
             value = sig.value_of(leaf)
@@ -208,25 +230,8 @@ def _check_results(name: str, spec: Any) -> None:
             )
 
 
-def _describe(spec: Any, tensors: list[torch.Tensor]) -> str:
+def describe(tensors: list[torch.Tensor]) -> str:
     return "(" + ", ".join(f"{t.dtype}{list(t.shape)}" for t in tensors) + ")" if tensors else "no tensors"
-
-
-def eager_segment(fn: Callable) -> Callable:
-    """Mark `fn` as an eager segment: called from a captured step, it runs eagerly between graphs.
-
-    Use it for work a CUDA graph cannot hold (reading a value on the host, a custom update with
-    Python logic). It returns tensors or None; its results carry no autograd history. Each call
-    costs a host round trip on every step (the graph before it is launched, `fn`'s Python runs,
-    the graph after it is launched), so keep segments few.
-    """
-    name = getattr(fn, "__qualname__", repr(fn))
-
-    @functools.wraps(fn)
-    def segment(*args: Any, **kwargs: Any) -> Any:
-        return run(fn, args, kwargs, name)
-
-    return segment
 
 
 @contextlib.contextmanager
@@ -272,7 +277,7 @@ def _segment_step(
     closure: Callable | None = None,
     **kwargs: Any,
 ) -> Any:
-    if not isinstance(_active(), _Capture):  # warm-up: the real step, eagerly, as torch runs it
+    if not isinstance(active(), Capture):  # warm-up: the real step, eagerly, as torch runs it
         if closure is None:
             return step(**kwargs)
         evaluation = _OneEvaluation(name, closure, again=True)

@@ -1,0 +1,463 @@
+"""Eager segments on the autograd path: a piece of the forward pass that runs eagerly between graphs,
+and whose backward runs eagerly between the backward graphs.
+
+`segments.py` splits a capture around work whose results carry no autograd history (an optimizer's
+update, a host read). This module adds the other kind: a function or an `nn.Module`'s forward whose
+results the loss depends on (an MoE layer's token dispatch, a CTC loss, a matcher on the host). At
+capture it becomes one node of autograd's graph, `_Boundary`, whose forward ends one graph and begins
+the next and whose backward does the same inside the captured backward:
+
+    replay:  graph A | segment forward (eager, with autograd) | graph B (rest of forward, backward
+             down to the segment) | segment backward (eager) | graph C (rest of backward, optimizer)
+
+Tensors cross the boundary through fixed buffers: the segment's inputs are graph A's results, read at
+replay as leaves that require grad; its results are copied into buffers graph B reads; graph B's
+gradients for them are what the eager backward starts from; the gradients it gives its inputs and its
+parameters are copied into buffers graph C reads. The parameters' gradients reach `.grad` through the
+boundary node, in graph C, exactly where eager's autograd would accumulate them (so DDP's gradient
+hooks and a `.grad` that accumulates are captured as usual).
+
+Bitwise: the segment's own arithmetic is eager's; a gradient that several of the segment's operations
+give one input is summed inside the segment in the order autograd sums it eagerly. Random draws in
+the segment take the generator's offsets between the graphs', in eager order.
+
+What a replay cannot follow raises rather than guess: results of another structure, shape, dtype or
+`requires_grad` than at capture; a parameter that gets a gradient at replay but did not in the last
+warm-up, or gets none where eager would have made its `.grad` (a token router that sends no token to
+an expert, with gradients set to None). Refused at capture: a double backward through a segment, a
+segment reached again from autograd's backward (activation checkpointing around it: put the
+checkpoint inside the segment instead), a segment that reads a tensor with autograd history it was
+not given as an argument, a parameter of a segment with a gradient hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .. import signature as sig
+from ..errors import CaptureError, GraphStepError
+from ..profiling import ranged
+from . import segments
+
+
+@dataclasses.dataclass(eq=False)
+class Reach:
+    """What a segment's autograd graph reached in a warm-up."""
+
+    inputs: list[bool]
+    """Per tensor argument: its gradient depends on the segment's results."""
+    params: list[torch.Tensor]
+    """Leaves that require grad (parameters) the segment used."""
+    idle: list[torch.Tensor]
+    """The segment module's parameters it did not use this time (an expert no token reached)."""
+    outputs: list[bool]
+    """Per result tensor: it requires grad."""
+    host_s: float
+    """Host time of the segment's forward in that warm-up."""
+
+
+def run(fn: Callable, args: tuple, kwargs: dict, name: str, module: torch.nn.Module | None = None) -> Any:
+    """Call `fn` (a module's forward when `module` is given) as an eager segment whose results may
+    carry autograd history: plainly outside graphstep and in warm-up, split around at capture."""
+    session = segments.active()
+    if session is None:
+        if segments.capture_elsewhere():
+            raise CaptureError(
+                f"the eager segment {name} was called from autograd's backward while the step was being "
+                "captured: activation checkpointing around it recomputes its forward there, where no "
+                "graph can be split. Checkpoint inside the segment, or the parts before and after it."
+            )
+        return fn(*args, **kwargs)
+    if isinstance(session, segments.Warmup):
+        return _warm_up(session, fn, args, kwargs, name, module)
+    seen = next(session.seen, None)
+    if seen is None or seen.reach is None:  # no results with history in the last warm-up
+        return segments.split(session, fn, args, kwargs, name, seen)
+    return _split(session, fn, args, kwargs, name, seen)
+
+
+def _warm_up(
+    session: segments.Warmup, fn: Callable, args: tuple, kwargs: dict, name: str, module: Any
+) -> Any:
+    inputs, _ = sig.flatten((args, kwargs))
+    first = _next_sequence_number()
+    start = time.perf_counter()
+    results = segments.plainly(fn, args, kwargs)
+    host_s = time.perf_counter() - start
+    tensors, spec = sig.flatten(results)
+    segments.check_results(name, spec)
+    metas = [sig.TensorMeta.of(t) for t in tensors]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        session.seen.append(segments.Seen(name, spec, metas))
+        return results
+    reach = _reach(name, inputs, tensors, first, module)
+    reach.host_s = host_s
+    session.seen.append(segments.Seen(name, spec, metas, reach))
+    return results
+
+
+def _next_sequence_number() -> int:
+    """The sequence number autograd gives the next node made on this thread."""
+    return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
+def _reach(name: str, inputs: list, outputs: list, first: int, module: Any) -> Reach:
+    """Walk the segment's part of autograd's graph, from its results down to its inputs."""
+    edges = {}
+    for i, t in enumerate(inputs):
+        if t.requires_grad:
+            edge = torch.autograd.graph.get_gradient_edge(t)
+            edges[(edge.node, edge.output_nr)] = i
+    input_nodes = {node for node, _ in edges}
+    reached = [False] * len(inputs)
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set = set()
+    todo = [
+        (e.node, e.output_nr)
+        for t in outputs
+        if t.requires_grad
+        for e in [torch.autograd.graph.get_gradient_edge(t)]
+    ]
+    while todo:
+        node, nr = todo.pop()
+        if (node, nr) in edges:
+            reached[edges[(node, nr)]] = True
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf the segment used
+            leaves[id(variable)] = variable
+            continue
+        if node in input_nodes or node._sequence_nr() < first:
+            raise CaptureError(
+                f"the eager segment {name} uses a tensor with autograd history that is not one of its "
+                "arguments (made before the segment, e.g. kept on a module or in a closure). Its backward "
+                "runs apart from the graphs', so every tensor with history must come in as an argument."
+            )
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend((n, i) for n, i in node.next_functions if n is not None)
+    used = list(leaves.values())
+    idle = []
+    if module is not None:
+        idle = [p for p in module.parameters() if p.requires_grad and id(p) not in leaves]
+    for p in used + idle:
+        if p._backward_hooks:
+            raise CaptureError(
+                f"a parameter of the eager segment {name} has a gradient hook (`register_hook`); its "
+                "gradient is computed in the segment and accumulated in the graph after it, where the "
+                "hook would run twice. Register the hook on the module's output instead."
+            )
+    inputs_in_params = {id(t) for t in inputs}
+    used = [p for p in used if id(p) not in inputs_in_params]
+    return Reach(reached, used, idle, [t.requires_grad for t in outputs], 0.0)
+
+
+# -- at capture ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class ForwardSegment:
+    """The segment's forward at replay: `fn` on its input buffers, results into the output buffers."""
+
+    fn: Callable
+    name: str
+    input_spec: Any
+    inputs: list[torch.Tensor]
+    requires: list[bool]
+    outputs: list[torch.Tensor]
+    output_spec: Any
+    output_requires: list[bool]
+    amp: list[tuple[str, bool, torch.dtype]]
+    backward: BackwardSegment | None = None
+    differentiable: bool = True
+    """Its results carry history at replay: the capture's backward reached the segment (`finish`)."""
+    live: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """The leaves and results of the last forward, with history, until its backward."""
+
+    def run(self) -> None:
+        differentiable = self.differentiable
+        with ranged("graphstep.eager_segment"), _autocast(self.amp), torch.set_grad_enabled(differentiable):
+            leaves = [
+                b.detach().requires_grad_(True) if r and differentiable else b
+                for b, r in zip(self.inputs, self.requires)
+            ]
+            args, kwargs = sig.unflatten(self.input_spec, leaves)
+            results = segments.plainly(self.fn, args, kwargs)
+        tensors, spec = sig.flatten(results)
+        if spec != self.output_spec or any(
+            t.shape != b.shape or t.dtype != b.dtype or (differentiable and t.requires_grad != r)
+            for t, b, r in zip(tensors, self.outputs, self.output_requires)
+        ):
+            raise GraphStepError(
+                f"the eager segment {self.name} returned {segments.describe(tensors)} at this replay but "
+                f"{segments.describe(self.outputs)} at capture (or results that require grad differ); the "
+                "graph after it reads buffers of the captured shape. Return the same structure and shapes "
+                "every call (pad, or keep the varying part inside the segment)."
+            )
+        for buffer, t in zip(self.outputs, tensors):
+            buffer.copy_(t.detach())
+        if differentiable:
+            self.live = (leaves, tensors)
+
+
+@dataclasses.dataclass(eq=False)
+class BackwardSegment:
+    """The segment's backward at replay: gradients of its inputs and parameters into fixed buffers."""
+
+    forward: ForwardSegment
+    grad_outputs: list[torch.Tensor | None]
+    params: list[torch.Tensor]
+    slots: list[torch.Tensor | None]
+    """Per target (the inputs that require grad, then `params`): the buffer graph C reads, or None
+    where the boundary gave autograd no gradient at capture."""
+    zero_ok: list[bool]
+    """Per target: a missing gradient is exactly a zero one (the parameter's `.grad` existed at
+    capture, so eager would have left it as it was, and graph C adds zero)."""
+    amp: list[tuple[str, bool, torch.dtype]]
+    name: str
+
+    def run(self) -> None:
+        fwd = self.forward
+        if fwd.live is None:
+            raise GraphStepError(f"the eager segment {self.name}'s backward ran without its forward")
+        leaves, results = fwd.live
+        fwd.live = None
+        outs, grads = [], []
+        for t, g in zip(results, self.grad_outputs):
+            if t.requires_grad and g is not None:
+                outs.append(t)
+                grads.append(g)
+        inputs = [leaf for leaf, r in zip(leaves, fwd.requires) if r]
+        targets = inputs + self.params
+        with ranged("graphstep.eager_segment"), _autocast(self.amp):
+            got = (
+                torch.autograd.grad(outs, targets, grads, allow_unused=True)
+                if outs
+                else [None] * len(targets)
+            )
+        for i, (slot, g) in enumerate(zip(self.slots, got)):
+            if slot is not None and g is not None:
+                slot.copy_(g)
+            elif slot is not None and self.zero_ok[i]:
+                slot.zero_()
+            elif slot is not None or g is not None:
+                raise GraphStepError(self._changed(i, len(inputs), got_one=g is not None))
+
+    def _changed(self, i: int, n_inputs: int, *, got_one: bool) -> str:
+        what = (
+            f"its argument {i}"
+            if i < n_inputs
+            else f"a parameter of shape {list(self.params[i - n_inputs].shape)}"
+        )
+        now, then = ("a gradient", "none") if got_one else ("no gradient", "one")
+        return (
+            f"the eager segment {self.name} gave {what} {now} at this replay but {then} at capture (which "
+            "parameters a segment uses changed: a router sent no token to an expert, for instance). The graph "
+            "after it cannot follow: eager would leave that `.grad` as it was. Make every parameter take part "
+            "every call, or keep gradients allocated (`zero_grad(set_to_none=False)`), which makes a missing "
+            "gradient exactly a zero one."
+        )
+
+
+class _Boundary(torch.autograd.Function):
+    """The segment as one node of the captured autograd graph: its forward and backward split the capture."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fwd = plan.begin_forward(tensors)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(*[o for o, r in zip(fwd.outputs, fwd.output_requires) if not r])
+        return tuple(fwd.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple:
+        return (None, *ctx.plan.begin_backward(grad_outputs))
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    """One segment call at capture: what the boundary's forward and backward record."""
+
+    session: segments.Capture
+    fn: Callable
+    name: str
+    input_spec: Any
+    n_inputs: int
+    seen: segments.Seen
+    tensors: list[torch.Tensor]
+    """What the boundary node takes: the tensor arguments, then the parameters the segment uses."""
+    forward: ForwardSegment | None = None
+
+    def begin_forward(self, tensors: tuple) -> ForwardSegment:
+        splitter = self.session.splitter
+        splitter.end_part()
+        reach = self.seen.reach
+        inputs = [t.detach() for t in tensors[: self.n_inputs]]
+        outputs = [
+            torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in self.seen.metas
+        ]
+        fwd = self.forward = ForwardSegment(
+            self.fn,
+            self.name,
+            self.input_spec,
+            inputs,
+            [t.requires_grad and r for t, r in zip(tensors[: self.n_inputs], reach.inputs)],
+            outputs,
+            self.seen.spec,
+            reach.outputs,
+            _amp_state(),
+        )
+        self.session.segments.append(fwd)
+        if splitter.executes:  # the recording backend runs the step while it captures: the segment too
+            fwd.run()
+        splitter.begin_part()
+        return fwd
+
+    def begin_backward(self, grad_outputs: tuple) -> list[torch.Tensor | None]:
+        if torch.is_grad_enabled():
+            raise CaptureError(
+                f"a double backward (create_graph=True) reached the eager segment {self.name}; its "
+                "backward runs eagerly and gives gradients without history. Take the double backward "
+                "outside the captured step, or leave this piece out of segments."
+            )
+        fwd = self.forward
+        splitter = self.session.splitter
+        splitter.end_part()
+        reach = self.seen.reach
+        inputs = [t for t, r in zip(fwd.inputs, fwd.requires) if r]
+        params = reach.params + reach.idle
+        slots: list[torch.Tensor | None] = [torch.empty_like(t) for t in inputs]
+        zero_ok = [False] * len(inputs)
+        for p in reach.params:
+            slots.append(torch.empty_like(p))
+            zero_ok.append(p.grad is not None)
+        for p in reach.idle:  # unused in the warm-up: exact only where .grad exists (gets + 0)
+            slots.append(torch.empty_like(p) if p.grad is not None else None)
+            zero_ok.append(p.grad is not None)
+        bwd = BackwardSegment(
+            fwd,
+            [None if g is None else g.detach() for g in grad_outputs],
+            params,
+            slots,
+            zero_ok,
+            _amp_state(),
+            self.name,
+        )
+        fwd.backward = bwd
+        self.session.segments.append(bwd)
+        if splitter.executes:
+            bwd.run()
+        splitter.begin_part()
+        by_input = iter(slots[: len(inputs)])
+        grads = [next(by_input) if r else None for r in fwd.requires]
+        by_param = dict(zip(map(id, params), slots[len(inputs) :]))
+        return grads + [by_param.get(id(t)) for t in self.tensors[self.n_inputs :]]
+
+
+def _split(
+    session: segments.Capture, fn: Callable, args: tuple, kwargs: dict, name: str, seen: segments.Seen
+) -> Any:
+    if seen.name != name:
+        segments.split(session, fn, args, kwargs, name, seen)  # raises: another segment was expected
+    inputs, input_spec = sig.flatten((args, kwargs))
+    reach = seen.reach
+    if len(inputs) != len(reach.inputs):
+        raise CaptureError(
+            f"the eager segment {name} was called with {len(inputs)} tensors at capture but "
+            f"{len(reach.inputs)} in the last warm-up; call it the same way every time."
+        )
+    known = {id(t) for t in inputs}
+    params = [p for p in reach.params + reach.idle if id(p) not in known]
+    plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params)
+    outputs = _Boundary.apply(plan, *inputs, *params)
+    return sig.unflatten(seen.spec, list(outputs))
+
+
+def finish(parts: list) -> None:
+    """After a capture: a segment whose backward the capture never reached runs without autograd."""
+    for part in parts:
+        if isinstance(part, ForwardSegment) and part.backward is None:
+            part.differentiable = False
+
+
+# -- the public face ----------------------------------------------------------------------------------
+
+
+def eager_segment(fn: Callable | torch.nn.Module, *, name: str | None = None) -> Any:
+    """Mark a function, or a module's forward, as an eager segment of a captured step.
+
+    Called from a captured step, it runs eagerly between the graphs: anything goes inside (host
+    reads, shapes that depend on the data, CPU libraries, its own dropout). Where its results carry
+    autograd history, its backward runs eagerly too, between the backward graphs, and the rest of the
+    step stays in graphs. The tensors it takes and returns keep one shape per input signature. Each
+    call costs the host time of its Python on every step, plus one wait for the GPU where it reads a
+    value on the host. A function is wrapped (use it as a decorator); a module is marked in place and
+    returned (`graphstep.eager_segment(model.moe)`), and `unmark` takes the mark off.
+    """
+    if isinstance(fn, torch.nn.Module):
+        mark(fn, name or type(fn).__qualname__)
+        return fn
+    label = name or getattr(fn, "__qualname__", repr(fn))
+
+    @functools.wraps(fn)
+    def segment(*args: Any, **kwargs: Any) -> Any:
+        return run(fn, args, kwargs, label)
+
+    return segment
+
+
+def mark(module: torch.nn.Module, name: str) -> None:
+    """Make `module`'s forward an eager segment (its instance `forward` is wrapped)."""
+    if is_marked(module):
+        return
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def segment(*args: Any, **kwargs: Any) -> Any:
+        return run(forward, args, kwargs, name, module)
+
+    segment._graphstep_segment_of = forward  # type: ignore[attr-defined]
+    module.forward = segment
+
+
+def is_marked(module: torch.nn.Module) -> bool:
+    return hasattr(module.__dict__.get("forward"), "_graphstep_segment_of")
+
+
+def unmark(module: torch.nn.Module) -> None:
+    forward = module.__dict__.get("forward")
+    if hasattr(forward, "_graphstep_segment_of"):
+        original = forward._graphstep_segment_of
+        if getattr(original, "__self__", None) is module and original.__func__ is type(module).forward:
+            del module.__dict__["forward"]
+        else:
+            module.forward = original
+
+
+# -- autocast as the step set it ----------------------------------------------------------------------
+
+
+def _devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _amp_state() -> list[tuple[str, bool, torch.dtype]]:
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _devices()]
+
+
+@contextlib.contextmanager
+def _autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    """Autocast as it was where the capture reached the segment: a replay runs none of the step's Python."""
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in state:
+            if enabled or torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
