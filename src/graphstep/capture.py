@@ -184,6 +184,7 @@ class CapturedStep:
             return
         self.reset()
         if self._ctx is not None:
+            self._ctx.breaks.close()
             backend = self._ctx.backend
             backend.users -= 1
             if backend.users <= 0:  # the last step sharing it

@@ -22,7 +22,7 @@ from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .diagnostics import capture_error
 from .effects import host_random
-from .errors import GraphStepError
+from .errors import GraphStepError, WarmUpAgain
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard
 from .profiling import ranged
@@ -138,6 +138,10 @@ def capture_variant(
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.
             return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)
+        if ctx.ranks is None and ctx.breaks.after_failed_capture(error):
+            # A module around the failing line runs eagerly from now on: it needs a warm-up's notes.
+            ctx.stats.graph_breaks = len(ctx.breaks.made)
+            raise WarmUpAgain(f"a graph break was made in {ctx.name}", after_break=True) from error
         if converted is error:
             raise error
         raise converted from error
@@ -150,6 +154,7 @@ def capture_variant(
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     if isinstance(backend, CudaGraphBackend):
         torch.cuda.synchronize(backend.index)
+    ctx.breaks.logged_at_capture(segment_results)
     ctx.stats.captures += 1
     ctx.stats.capture_s += time.perf_counter() - start
     return Variant(

@@ -10,6 +10,7 @@ Fallback = Literal["raise", "eager"]
 Backend = Literal["auto", "cuda", "eager", "recording"]
 Check = Literal["full", "strict", "off"]
 OptimizerMode = Literal["auto", "graph", "eager"]
+GraphBreaks = Literal["auto", "off"]
 VerifyAgainst = Literal["eager", "capture"]
 
 
@@ -59,6 +60,13 @@ class Config:
     every call (a host round trip per call; any hyperparameter, any optimizer). "auto": in the
     graph, and an optimizer moves to an eager segment, once, the first time such a hyperparameter
     changes, or at capture if its state holds Python numbers (a custom optimizer's step counter)."""
+
+    graph_breaks: GraphBreaks = "auto"
+    """What a capture that stops at an operation no CUDA graph can record does. "auto": the innermost
+    module (or known function, such as `F.ctc_loss`) around the failing line runs eagerly from then on,
+    forward and backward, between the graphs of the rest of the step (a graph break: one log line,
+    `stats.graph_breaks`); results stay bitwise equal to eager. "off": the capture is refused with the
+    line and what to write instead. A break costs the host time of that piece on every call."""
 
     on_recapture_limit: Fallback = "raise"
     """"raise": a `StaleGraphError` naming what changed. "eager": run that signature eagerly from
@@ -110,6 +118,7 @@ class Config:
         _check_choice("check", self.check, Check)
         _check_choice("on_recapture_limit", self.on_recapture_limit, Fallback)
         _check_choice("optimizer_mode", self.optimizer_mode, OptimizerMode)
+        _check_choice("graph_breaks", self.graph_breaks, GraphBreaks)
         _check_choice("verify_against", self.verify_against, VerifyAgainst)
         for name in ("allow_python_writes", "strict_reads"):
             if not isinstance(getattr(self, name), bool):

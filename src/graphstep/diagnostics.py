@@ -43,6 +43,9 @@ class StepStats:
     eager_calls: int = 0
     """Calls run eagerly after warm-up: the eager backend, a fallback the config allowed, or a wait
     out of variant churn (`churn_calls`)."""
+    graph_breaks: int = 0
+    """Pieces of the step that run eagerly, forward and backward, between its graphs because no graph
+    could record them (`Config.graph_breaks`; see `backends/graph_breaks.py`)."""
     churn_calls: int = 0
     """Calls run eagerly instead of capturing another graph, because a value the step reads changed
     on every call (see `guards/churn.py`); counted in `eager_calls` too."""

@@ -11,6 +11,15 @@ class CaptureError(GraphStepError):
     """The step could not be captured into a CUDA graph. State was left as before the call."""
 
 
+class WarmUpAgain(CaptureError):
+    """Internal: the capture reached an eager segment the last warm-up did not note (a graph break was
+    just made, say). This call runs as one more warm-up instead; the next one captures."""
+
+    def __init__(self, message: str, *, after_break: bool = False):
+        super().__init__(message)
+        self.after_break = after_break
+
+
 class HostSyncError(CaptureError):
     """The step synchronises with the host (`.item()`, `.cpu()`, `print(tensor)`, ...)."""
 

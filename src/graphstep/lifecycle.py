@@ -31,7 +31,7 @@ from .backends.buffers import InputBuffers
 from .capturing import Variant, capture_variant
 from .diagnostics import log, stale_message
 from .distributed.ranks import Agreement, Phase
-from .errors import StaleGraphError
+from .errors import CaptureError, StaleGraphError, WarmUpAgain
 from .guards.churn import Probe, VariantChurn
 from .guards.reads import ReadWatch
 from .guards.state_guard import trainable
@@ -149,6 +149,8 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
+        self.rewarmed = False
+        """The last capture gave way to one more warm-up (`WarmUpAgain`)."""
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
@@ -280,14 +282,25 @@ class Lifecycle:
         was released cannot be captured into again)."""
         ctx = self.ctx
         backend = ctx.backend
+        called_with = args, kwargs
         if backend.static_buffers:
             args, kwargs = sig.unflatten(self.signature.spec, self.inputs.like(leaves))
             self.inputs.load(leaves)
         try:
             variant = capture_variant(ctx, args, kwargs, self.segment_results, self.warm_outputs)
+        except WarmUpAgain as again:
+            # A graph break was just made, or the step called eager segments the last warm-up did
+            # not: this call is one more warm-up (nothing of the failed capture is left), the next
+            # captures. Twice in a row without a break: the step's segments change from call to call.
+            if not again.after_break and self.rewarmed:
+                raise CaptureError(str(again)) from None
+            self.rewarmed = True
+            self.warmups = min(self.warmups, ctx.warmups_needed - 1)
+            return self.warm_up(*called_with)
         finally:
             for old in replaced:
                 old.recording.release()
+        self.rewarmed = False
         self.variants.append(variant)
         self.current = variant
         if backend.static_buffers:

@@ -14,6 +14,7 @@ from . import distributed
 from . import signature as sig
 from .backends import Backend, CudaGraphBackend
 from .backends.choice import choose_backend
+from .backends.graph_breaks import GraphBreaks
 from .config import Config
 from .diagnostics import StepStats
 from .distributed import Ranks
@@ -39,6 +40,8 @@ class StepContext:
     stats: StepStats
     generators: list[torch.Generator]
     ranks: Ranks | None
+    breaks: GraphBreaks
+    """The pieces of the step that run eagerly, forward and backward, between graphs."""
     warmups_needed: int
     graphs_alive: Callable[[], int]
 
@@ -93,6 +96,12 @@ class StepContext:
             stats=stats,
             generators=generators,
             ranks=ranks,
+            breaks=GraphBreaks(
+                name,
+                config.graph_breaks if backend.static_buffers else "off",
+                state.named_modules_roots,
+                getattr(fn, "__code__", None),
+            ),
             warmups_needed=warmups,
             graphs_alive=graphs_alive,
         )

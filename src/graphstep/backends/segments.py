@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .. import signature as sig
-from ..errors import CaptureError, GraphStepError
+from ..errors import CaptureError, GraphStepError, WarmUpAgain
 from ..profiling import ranged
 
 _local = threading.local()
@@ -191,7 +191,7 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: boo
 
 def split(session: Capture, fn: Callable, args: tuple, kwargs: dict, name: str, seen: Seen | None) -> Any:
     if seen is None or seen.name != name:
-        raise CaptureError(
+        raise WarmUpAgain(
             f"the capture reached the eager segment {name}, which the last warm-up "
             + ("did not call at this point" if seen is None else f"did not call here (it called {seen.name})")
             + ". The step must call the same eager segments in the same order every time."

@@ -1,0 +1,197 @@
+"""Automatic graph breaks: when a capture fails at an operation no CUDA graph can record, the innermost
+module (or known library function) around the failing line becomes an eager segment on the autograd
+path (`autograd_segments.py`), and the step is warmed up and captured again.
+
+A capture stops at a host sync (`nonzero` in an MoE's token dispatch, `F.ctc_loss` copying its lengths,
+a matcher that calls scipy on the host) or at a copy between host and device. The traceback says where:
+walking it from the innermost frame out, the first frame that is an `nn.Module`'s `forward`, or a
+function graphstep knows to be self-contained (`KNOWN_FUNCTIONS`), is the break. Its forward runs
+eagerly between graphs from then on, its backward eagerly between the backward graphs; everything
+around it stays captured. A failure in the step function itself, outside any module, cannot be broken
+out: the error says what to mark. `Config(graph_breaks="off")` refuses instead, as before.
+
+A module is marked in place (its instance `forward` wrapped, taken off when the step closes); a known
+function is replaced in the module that defines it and in the caller's globals (put back at close).
+Outside a graphstep warm-up or capture the wrapper calls the original directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..diagnostics import is_host_sync, where
+from . import autograd_segments
+
+log = logging.getLogger("graphstep")
+
+KNOWN_FUNCTIONS: dict[str, str] = {
+    "torch.nn.functional.ctc_loss": "copies the sequence lengths to the host",
+    "load_balancing_loss_func": "transformers' MoE auxiliary loss (counts tokens per expert)",
+}
+"""Self-contained functions (qualified name, or a bare name for any module defining it) that become a
+break where they fail, rather than the module around them (the whole model, for Mixtral's loss)."""
+
+_NOT_RECORDABLE = ("stream is capturing", "StreamCapture", "operation not permitted when stream")
+
+
+@dataclasses.dataclass(eq=False)
+class Break:
+    """One graph break: what runs eagerly, where the capture stopped, and how it was made."""
+
+    name: str
+    line: str
+    why: str
+    undo: Callable[[], None]
+
+
+class GraphBreaks:
+    """The graph breaks of one captured step."""
+
+    def __init__(self, step_name: str, mode: str, roots: Callable[[], list[tuple[str, Any]]], step_code: Any):
+        self.step_name = step_name
+        self.mode = mode
+        self.roots = roots
+        self.step_code = step_code
+        self.made: list[Break] = []
+        self.unlogged: list[Break] = []
+
+    def after_failed_capture(self, error: BaseException) -> bool:
+        """The capture failed with `error`: make a break around its failing line and say so (True),
+        or leave the error as it is (False: breaks off, not an operation a graph cannot record, or
+        no module or known function around the line)."""
+        if self.mode != "auto" or not not_recordable(error):
+            return False
+        target = self.target_of(error.__traceback__)
+        if target is None:
+            return False
+        kind, obj, name = target
+        if kind == "module":
+            # Every module of that class runs the same code: it would stop the next capture too.
+            modules = [obj] + [m for _, m in self.modules() if type(m) is type(obj) and m is not obj]
+            for module in modules:
+                if not autograd_segments.is_marked(module):
+                    autograd_segments.mark(module, self.path_of(module))
+            if len(modules) > 1:
+                name += f" (and the {len(modules) - 1} other {type(obj).__qualname__} modules of the step)"
+            undo = lambda marked=modules: [autograd_segments.unmark(m) for m in marked]  # noqa: E731
+        else:
+            undo = _replace_function(obj, name)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        made = Break(name, where(error.__traceback__), first_line, undo)
+        self.made.append(made)
+        self.unlogged.append(made)
+        log.warning(
+            "graphstep: %s: graph break: %s runs eagerly (forward and backward) between graphs from now on; "
+            "the capture stopped inside it at %s (%s). One more warm-up, then a capture.",
+            self.step_name,
+            name,
+            made.line,
+            first_line,
+        )
+        return True
+
+    def target_of(self, tb: types.TracebackType | None) -> tuple[str, Any, str] | None:
+        """The innermost module forward or known function on the traceback, inside the step."""
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for frame in reversed(frames):
+            if frame.f_code is self.step_code:
+                return None  # reached the step function: nothing around the line to break out
+            name = _known_function(frame)
+            if name is not None:
+                return "function", frame, name
+            module = frame.f_locals.get("self")
+            if frame.f_code.co_name == "forward" and isinstance(module, torch.nn.Module):
+                if autograd_segments.is_marked(module):
+                    return None  # already a segment: the failure is elsewhere in it
+                return "module", module, self.path_of(module)
+        return None
+
+    def modules(self) -> Iterable[tuple[str, torch.nn.Module]]:
+        for root_name, root in self.roots():
+            for name, sub in root.named_modules():
+                yield (f"{root_name}.{name}" if name else root_name), sub
+
+    def path_of(self, module: torch.nn.Module) -> str:
+        return next((path for path, sub in self.modules() if sub is module), type(module).__qualname__)
+
+    def logged_at_capture(self, segment_results: Iterable) -> None:
+        """After a capture with new breaks: one line each with its host cost in the last warm-up."""
+        if not self.unlogged:
+            return
+        cost: dict[str, float] = {}
+        for seen in segment_results:
+            if seen.reach is not None:
+                cost[seen.name] = cost.get(seen.name, 0.0) + seen.reach.host_s
+        for made in self.unlogged:
+            host = cost.get(made.name.split(" (and ")[0])
+            log.warning(
+                "graphstep: %s: captured with a graph break at %s: its forward took %s on the host in the "
+                "last warm-up, paid on every call (plus its backward, and one wait for the GPU where it reads "
+                "a value on the host). To avoid it, keep that code on the device; "
+                'Config(graph_breaks="off") refuses instead.',
+                self.step_name,
+                made.name,
+                "an unknown time" if host is None else f"{host * 1e3:.2f} ms",
+            )
+        self.unlogged = []
+
+    def close(self) -> None:
+        for made in reversed(self.made):
+            made.undo()
+        self.made = []
+
+
+def not_recordable(error: BaseException) -> bool:
+    """`error` stopped a capture at an operation a CUDA graph cannot record (not a bug in the step)."""
+    text = f"{type(error).__name__}: {error}"
+    return is_host_sync(error) or any(needle in text for needle in _NOT_RECORDABLE)
+
+
+def _known_function(frame: types.FrameType) -> str | None:
+    code = frame.f_code
+    module = frame.f_globals.get("__name__", "")
+    qualified = f"{module}.{code.co_name}"
+    if qualified in KNOWN_FUNCTIONS or (
+        code.co_name in KNOWN_FUNCTIONS and module.startswith("transformers")
+    ):
+        return qualified
+    return None
+
+
+def _replace_function(frame: types.FrameType, name: str) -> Callable[[], None]:
+    """Route the known function of `frame` through a segment where it is looked up: in its module, and
+    in the globals of the function that called it. Returns what puts the originals back."""
+    module_name, _, attr = name.rpartition(".")
+    home = sys.modules[module_name]
+    original = getattr(home, attr)
+
+    def segment(*args: Any, **kwargs: Any) -> Any:
+        return autograd_segments.run(original, args, kwargs, name)
+
+    places = [home.__dict__]
+    caller = frame.f_back
+    if (
+        caller is not None
+        and caller.f_globals.get(attr) is original
+        and caller.f_globals is not home.__dict__
+    ):
+        places.append(caller.f_globals)
+    for place in places:
+        place[attr] = segment
+
+    def undo() -> None:
+        for place in places:
+            if place.get(attr) is segment:
+                place[attr] = original
+
+    return undo
