@@ -154,7 +154,6 @@ def capture_variant(
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])
     if isinstance(backend, CudaGraphBackend):
         torch.cuda.synchronize(backend.index)
-    ctx.breaks.logged_at_capture(segment_results)
     ctx.stats.captures += 1
     ctx.stats.capture_s += time.perf_counter() - start
     return Variant(

@@ -307,8 +307,11 @@ class Lifecycle:
             log.info("graphstep: captured %s for %s", ctx.name, self.signature.describe())
         if backend.capture_executes:
             variant.last_used = next(_clock)
-            return self.deliver(variant.recording.outputs)
-        return self.replay(leaves, args, kwargs, verify=False)
+            outputs = self.deliver(variant.recording.outputs)
+        else:
+            outputs = self.replay(leaves, args, kwargs, verify=False)
+        ctx.breaks.logged_after_capture(getattr(variant.recording, "segments", ()))
+        return outputs
 
     def replay(self, leaves: list, args: tuple, kwargs: dict, *, verify: bool = True) -> Any:
         ctx = self.ctx

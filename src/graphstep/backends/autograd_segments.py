@@ -59,8 +59,6 @@ class Reach:
     """The segment module's parameters it did not use this time (an expert no token reached)."""
     outputs: list[bool]
     """Per result tensor: it requires grad."""
-    host_s: float
-    """Host time of the segment's forward in that warm-up."""
 
 
 def run(fn: Callable, args: tuple, kwargs: dict, name: str, module: torch.nn.Module | None = None) -> Any:
@@ -88,9 +86,7 @@ def _warm_up(
 ) -> Any:
     inputs, _ = sig.flatten((args, kwargs))
     first = _next_sequence_number()
-    start = time.perf_counter()
     results = segments.plainly(fn, args, kwargs)
-    host_s = time.perf_counter() - start
     tensors, spec = sig.flatten(results)
     segments.check_results(name, spec)
     metas = [sig.TensorMeta.of(t) for t in tensors]
@@ -98,7 +94,6 @@ def _warm_up(
         session.seen.append(segments.Seen(name, spec, metas))
         return results
     reach = _reach(name, inputs, tensors, first, module)
-    reach.host_s = host_s
     session.seen.append(segments.Seen(name, spec, metas, reach))
     return results
 
@@ -157,7 +152,7 @@ def _reach(name: str, inputs: list, outputs: list, first: int, module: Any) -> R
             )
     inputs_in_params = {id(t) for t in inputs}
     used = [p for p in used if id(p) not in inputs_in_params]
-    return Reach(reached, used, idle, [t.requires_grad for t in outputs], 0.0)
+    return Reach(reached, used, idle, [t.requires_grad for t in outputs])
 
 
 # -- at capture ---------------------------------------------------------------------------------------
@@ -181,8 +176,11 @@ class ForwardSegment:
     """Its results carry history at replay: the capture's backward reached the segment (`finish`)."""
     live: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """The leaves and results of the last forward, with history, until its backward."""
+    host_s: float = 0.0
+    """Host time of its last run."""
 
     def run(self) -> None:
+        start = time.perf_counter()
         differentiable = self.differentiable
         with ranged("graphstep.eager_segment"), _autocast(self.amp), torch.set_grad_enabled(differentiable):
             leaves = [
@@ -206,6 +204,7 @@ class ForwardSegment:
             buffer.copy_(t.detach())
         if differentiable:
             self.live = (leaves, tensors)
+        self.host_s = time.perf_counter() - start
 
 
 @dataclasses.dataclass(eq=False)
@@ -223,8 +222,11 @@ class BackwardSegment:
     capture, so eager would have left it as it was, and graph C adds zero)."""
     amp: list[tuple[str, bool, torch.dtype]]
     name: str
+    host_s: float = 0.0
+    """Host time of its last run."""
 
     def run(self) -> None:
+        start = time.perf_counter()
         fwd = self.forward
         if fwd.live is None:
             raise GraphStepError(f"the eager segment {self.name}'s backward ran without its forward")
@@ -250,6 +252,7 @@ class BackwardSegment:
                 slot.zero_()
             elif slot is not None or g is not None:
                 raise GraphStepError(self._changed(i, len(inputs), got_one=g is not None))
+        self.host_s = time.perf_counter() - start
 
     def _changed(self, i: int, n_inputs: int, *, got_one: bool) -> str:
         what = (

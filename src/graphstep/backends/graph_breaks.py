@@ -46,6 +46,8 @@ class Break:
     """One graph break: what runs eagerly, where the capture stopped, and how it was made."""
 
     name: str
+    segments: list[str]
+    """The names of the segments it made (every module of the class)."""
     line: str
     why: str
     undo: Callable[[], None]
@@ -72,19 +74,21 @@ class GraphBreaks:
         if target is None:
             return False
         kind, obj, name = target
+        names = [name]
         if kind == "module":
             # Every module of that class runs the same code: it would stop the next capture too.
             modules = [obj] + [m for _, m in self.modules() if type(m) is type(obj) and m is not obj]
             for module in modules:
                 if not autograd_segments.is_marked(module):
                     autograd_segments.mark(module, self.path_of(module))
+            names = [self.path_of(m) for m in modules]
             if len(modules) > 1:
                 name += f" (and the {len(modules) - 1} other {type(obj).__qualname__} modules of the step)"
             undo = lambda marked=modules: [autograd_segments.unmark(m) for m in marked]  # noqa: E731
         else:
             undo = _replace_function(obj, name)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        made = Break(name, where(error.__traceback__), first_line, undo)
+        made = Break(name, names, where(error.__traceback__), first_line, undo)
         self.made.append(made)
         self.unlogged.append(made)
         log.warning(
@@ -124,24 +128,21 @@ class GraphBreaks:
     def path_of(self, module: torch.nn.Module) -> str:
         return next((path for path, sub in self.modules() if sub is module), type(module).__qualname__)
 
-    def logged_at_capture(self, segment_results: Iterable) -> None:
-        """After a capture with new breaks: one line each with its host cost in the last warm-up."""
+    def logged_after_capture(self, parts: Iterable) -> None:
+        """After the first replay of a capture with new breaks (`parts`: its segments, timed as they
+        ran): one line each with what it costs the host per call."""
         if not self.unlogged:
             return
-        cost: dict[str, float] = {}
-        for seen in segment_results:
-            if seen.reach is not None:
-                cost[seen.name] = cost.get(seen.name, 0.0) + seen.reach.host_s
         for made in self.unlogged:
-            host = cost.get(made.name.split(" (and ")[0])
+            host = sum(getattr(p, "host_s", 0.0) for p in parts if getattr(p, "name", None) in made.segments)
             log.warning(
-                "graphstep: %s: captured with a graph break at %s: its forward took %s on the host in the "
-                "last warm-up, paid on every call (plus its backward, and one wait for the GPU where it reads "
-                "a value on the host). To avoid it, keep that code on the device; "
+                "graphstep: %s: captured with a graph break at %s: it costs %.2f ms of host time per call "
+                "(forward and backward, as the first replay measured), plus a wait for the GPU wherever it "
+                "reads a value on the host. To avoid it, keep that code on the device; "
                 'Config(graph_breaks="off") refuses instead.',
                 self.step_name,
                 made.name,
-                "an unknown time" if host is None else f"{host * 1e3:.2f} ms",
+                host * 1e3,
             )
         self.unlogged = []
 
