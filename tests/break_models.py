@@ -60,3 +60,94 @@ class MoENet(torch.nn.Module):
         for norm, block in zip(self.norms, self.blocks):
             h = h + self.drop(block(norm(h)))
         return self.out(h)
+
+
+class CTCNet(torch.nn.Module):
+    """A GRU over frames, log-probabilities over a small alphabet (blank = 0)."""
+
+    def __init__(self, features: int = 16, hidden: int = 32, classes: int = 8):
+        super().__init__()
+        self.gru = torch.nn.GRU(features, hidden)
+        self.head = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, N, features)
+        return self.head(self.gru(x)[0]).log_softmax(-1)
+
+
+def ctc_batches(n: int, *, frames: int = 24, batch: int = 4, total: int = 32, seed: int = 0) -> list:
+    """Concatenated int32 targets on the host (cuDNN's deterministic CTC), target lengths that change
+    every batch (their sum, the targets' size, stays put), every input full length."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        cuts = torch.randperm(total - 1, generator=g)[: batch - 1].add(1).sort().values.tolist()
+        lengths = torch.tensor([b - a for a, b in zip([0, *cuts], [*cuts, total])], dtype=torch.int32)
+        targets = torch.randint(1, 8, (total,), generator=g, dtype=torch.int32)
+        x = torch.randn(frames, batch, 16, generator=g)
+        out.append((x, targets, torch.full((batch,), frames, dtype=torch.int32), lengths))
+    return out
+
+
+def hungarian(cost):
+    """Minimum-cost assignment of rows to columns, on the host (scipy where installed)."""
+    try:
+        from scipy.optimize import linear_sum_assignment
+    except ImportError:
+        import itertools
+
+        rows = range(cost.shape[0])
+        best = min(
+            itertools.permutations(range(cost.shape[1]), cost.shape[0]),
+            key=lambda cols: sum(cost[r][c] for r, c in zip(rows, cols)),
+        )
+        return list(rows), list(best)
+    return linear_sum_assignment(cost)
+
+
+class Matcher(torch.nn.Module):
+    """DETR's Hungarian matcher: costs on the device, the assignment on the host, indices back."""
+
+    @torch.no_grad()
+    def forward(
+        self, logits: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, target_boxes: torch.Tensor
+    ):
+        prob = logits.softmax(-1)  # (B, Q, C)
+        out = []
+        for b in range(logits.shape[0]):
+            c = -prob[b][:, labels[b]] + torch.cdist(boxes[b], target_boxes[b], p=1)  # (Q, T)
+            rows, cols = hungarian(c.cpu().numpy())
+            out.append((torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64)))
+        return out
+
+
+class SetCriterion(torch.nn.Module):
+    """DETR's loss: match predictions to targets, then classification and box losses on the matched pairs."""
+
+    def __init__(self, classes: int):
+        super().__init__()
+        self.matcher = Matcher()
+        self.classes = classes
+
+    def forward(self, logits, boxes, labels, target_boxes):
+        indices = self.matcher(logits, boxes, labels, target_boxes)
+        batch_idx = torch.cat([torch.full_like(src, i) for i, (src, _) in enumerate(indices)])
+        src_idx = torch.cat([src for src, _ in indices])
+        classes = torch.full(logits.shape[:2], self.classes, dtype=torch.int64, device=logits.device)
+        classes[batch_idx, src_idx] = torch.cat([labels[i][tgt] for i, (_, tgt) in enumerate(indices)])
+        loss_cls = F.cross_entropy(logits.transpose(1, 2), classes)
+        matched = boxes[batch_idx, src_idx]
+        wanted = torch.cat([target_boxes[i][tgt] for i, (_, tgt) in enumerate(indices)])
+        return loss_cls + F.l1_loss(matched, wanted)
+
+
+class TinyDETR(torch.nn.Module):
+    def __init__(self, features: int = 16, queries: int = 6, classes: int = 3):
+        super().__init__()
+        self.queries = torch.nn.Parameter(torch.randn(queries, features))
+        self.body = torch.nn.Linear(features, features)
+        self.cls = torch.nn.Linear(features, classes + 1)
+        self.box = torch.nn.Linear(features, 4)
+
+    def forward(self, x: torch.Tensor):  # x: (B, features)
+        h = torch.relu(self.body(x[:, None, :] + self.queries))
+        return self.cls(h), self.box(h).sigmoid()

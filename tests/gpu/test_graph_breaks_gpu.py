@@ -15,7 +15,7 @@ from gpu_common import deterministic, needs_cuda
 import graphstep
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from break_models import MoENet  # noqa: E402
+from break_models import CTCNet, MoENet, SetCriterion, TinyDETR, ctc_batches  # noqa: E402
 
 pytestmark = needs_cuda
 
@@ -61,7 +61,10 @@ def compare(eager, step, data, models, seeds=True):
 
 def moe_data(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 32, 16, generator=g).cuda(), torch.randn(8, 32, 1, generator=g).cuda()) for _ in range(n)]
+    return [
+        (torch.randn(8, 32, 16, generator=g).cuda(), torch.randn(8, 32, 1, generator=g).cuda())
+        for _ in range(n)
+    ]
 
 
 def test_a_marked_moe_layer_runs_eagerly_between_graphs_and_trains_bitwise():
@@ -71,3 +74,115 @@ def test_a_marked_moe_layer_runs_eagerly_between_graphs_and_trains_bitwise():
     step = graphstep.capture(moe_step(m_g, o_g), model=m_g, optimizer=o_g)
     compare(moe_step(m_e, o_e), step, moe_data(8), (m_e, m_g))
     assert step.stats.captures == 1 and step.stats.replays == 6
+
+
+def test_a_moe_layer_with_token_dispatch_breaks_the_graph_by_itself_and_trains_bitwise():
+    (m_e, o_e), (m_g, o_g) = twins(MoENet)
+    step = graphstep.capture(moe_step(m_g, o_g), model=m_g, optimizer=o_g)
+    compare(moe_step(m_e, o_e), step, moe_data(10), (m_e, m_g))
+    assert step.stats.graph_breaks == 1  # both layers' Experts: one class, one break
+    assert step.stats.captures == 1 and step.stats.replays == 7
+
+
+def test_breaks_off_refuses_as_before():
+    (_, _), (m_g, o_g) = twins(MoENet)
+    step = graphstep.capture(
+        moe_step(m_g, o_g), model=m_g, optimizer=o_g, config=graphstep.Config(graph_breaks="off")
+    )
+    data = moe_data(3)
+    with deterministic(), pytest.raises(graphstep.errors.HostSyncError, match="torch.where"):
+        for x, y in data:
+            step(x, y)
+
+
+def mixtral(implementation):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        experts_implementation=implementation,
+    )
+    return lambda: transformers.MixtralForCausalLM(config)
+
+
+def lm_step(model, opt):
+    def step(ids, labels):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_mixtral_with_its_auxiliary_loss_trains_bitwise_with_graph_breaks(implementation):
+    from gpu_common import transformers_capture_path
+
+    (m_e, o_e), (m_g, o_g) = twins(mixtral(implementation))
+    step = graphstep.capture(lm_step(m_g, o_g), model=m_g, optimizer=o_g)
+    g = torch.Generator().manual_seed(0)
+    data = [(ids.cuda(), ids.cuda()) for ids in torch.randint(0, 128, (10, 4, 32), generator=g)]
+    with transformers_capture_path():  # the eager twin takes the path a capture takes
+        compare(lm_step(m_e, o_e), step, data, (m_e, m_g))
+    assert step.stats.graph_breaks >= 1 and step.stats.captures == 1, step.stats
+
+
+def test_ctc_loss_with_host_lengths_that_change_every_batch_trains_bitwise():
+    def make_step(model, opt):
+        def step(x, targets, input_lengths, target_lengths):
+            loss = torch.nn.functional.ctc_loss(model(x), targets, input_lengths, target_lengths)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    (m_e, o_e), (m_g, o_g) = twins(CTCNet)
+    step = graphstep.capture(make_step(m_g, o_g), model=m_g, optimizer=o_g)
+    data = [(x.cuda(), t, i, n) for x, t, i, n in ctc_batches(10)]
+    compare(make_step(m_e, o_e), step, data, (m_e, m_g))
+    assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
+
+
+def test_a_detr_matcher_on_the_host_trains_bitwise():
+    criterion_e, criterion_g = SetCriterion(3), SetCriterion(3)
+
+    def make_step(model, opt, criterion):
+        def step(x, labels, boxes):
+            logits, pred = model(x)
+            loss = criterion(logits, pred, labels, boxes)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    (m_e, o_e), (m_g, o_g) = twins(TinyDETR)
+    step = graphstep.capture(make_step(m_g, o_g, criterion_g), model=m_g, optimizer=o_g)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (
+            torch.randn(4, 16, generator=g).cuda(),
+            torch.randint(0, 3, (4, 3), generator=g).cuda(),
+            torch.rand(4, 3, 4, generator=g).cuda(),
+        )
+        for _ in range(10)
+    ]
+    compare(make_step(m_e, o_e, criterion_e), step, data, (m_e, m_g))
+    assert step.stats.graph_breaks >= 1 and step.stats.captures == 1, step.stats

@@ -370,6 +370,7 @@ def _split(
 ) -> Any:
     if seen.name != name:
         segments.split(session, fn, args, kwargs, name, seen)  # raises: another segment was expected
+    segments.check_devices(name, seen, session.splitter)
     inputs, input_spec = sig.flatten((args, kwargs))
     reach = seen.reach
     if len(inputs) != len(reach.inputs):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..diagnostics import is_host_sync, where
-from . import autograd_segments
+from . import autograd_segments, segments
 
 log = logging.getLogger("graphstep")
 
@@ -154,6 +154,8 @@ class GraphBreaks:
 
 def not_recordable(error: BaseException) -> bool:
     """`error` stopped a capture at an operation a CUDA graph cannot record (not a bug in the step)."""
+    if isinstance(error, segments.ResultsOnHost):
+        return True
     text = f"{type(error).__name__}: {error}"
     return is_host_sync(error) or any(needle in text for needle in _NOT_RECORDABLE)
 

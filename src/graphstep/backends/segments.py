@@ -101,6 +101,20 @@ class Seen:
     """For results with autograd history: what the segment's backward reaches (`autograd_segments.Reach`)."""
 
 
+class ResultsOnHost(CaptureError):
+    """A segment of a step captured into CUDA graphs returned tensors in host memory: the graph after
+    it would compute on them once, at capture, and never again."""
+
+
+def check_devices(name: str, seen: Seen, splitter: Splitter) -> None:
+    if not splitter.executes and any(m.device.type == "cpu" for m in seen.metas):
+        raise ResultsOnHost(
+            f"the eager segment {name} returns tensors in host memory; a CUDA graph after it would compute "
+            "on them at capture only. Return them on the GPU (`.to(device)` inside the segment), or make "
+            "the code that uses them part of the segment."
+        )
+
+
 class Warmup:
     """Notes each segment's results during a warm-up, in call order."""
 
@@ -197,6 +211,7 @@ def split(session: Capture, fn: Callable, args: tuple, kwargs: dict, name: str, 
             + ". The step must call the same eager segments in the same order every time."
         )
     splitter = session.splitter
+    check_devices(name, seen, splitter)
     splitter.end_part()
     grads = [(p, p.grad) for p in session.params]
     if splitter.executes:  # the step really runs while capturing: so does the segment
