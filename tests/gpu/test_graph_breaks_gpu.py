@@ -15,7 +15,7 @@ from gpu_common import deterministic, needs_cuda
 import graphstep
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from break_models import CTCNet, MoENet, SetCriterion, TinyDETR, ctc_batches  # noqa: E402
+from break_models import CTCNet, MoENet, SetCriterion, TinyDETR, ctc_batches
 
 pytestmark = needs_cuda
 
@@ -90,7 +90,7 @@ def test_breaks_off_refuses_as_before():
         moe_step(m_g, o_g), model=m_g, optimizer=o_g, config=graphstep.Config(graph_breaks="off")
     )
     data = moe_data(3)
-    with deterministic(), pytest.raises(graphstep.errors.HostSyncError, match="torch.where"):
+    with deterministic(), pytest.raises(graphstep.errors.HostSyncError, match=r"torch\.where"):
         for x, y in data:
             step(x, y)
 
