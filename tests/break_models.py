@@ -74,17 +74,24 @@ class CTCNet(torch.nn.Module):
         return self.head(self.gru(x)[0]).log_softmax(-1)
 
 
-def ctc_batches(n: int, *, frames: int = 24, batch: int = 4, total: int = 32, seed: int = 0) -> list:
-    """Concatenated int32 targets on the host (cuDNN's deterministic CTC), target lengths that change
-    every batch (their sum, the targets' size, stays put), every input full length."""
+class CTCHead(torch.nn.Module):
+    """CTC loss computed on the host (CUDA's CTC backward has no deterministic kernel), the loss back
+    on the model's device."""
+
+    def forward(self, log_probs, targets, input_lengths, target_lengths):
+        loss = F.ctc_loss(log_probs.cpu(), targets, input_lengths, target_lengths, zero_infinity=True)
+        return loss.to(log_probs.device)
+
+
+def ctc_batches(n: int, *, frames: int = 24, batch: int = 4, longest: int = 10, seed: int = 0) -> list:
+    """Padded targets and lengths on the host; the lengths change every batch."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        cuts = torch.randperm(total - 1, generator=g)[: batch - 1].add(1).sort().values.tolist()
-        lengths = torch.tensor([b - a for a, b in zip([0, *cuts], [*cuts, total])], dtype=torch.int32)
-        targets = torch.randint(1, 8, (total,), generator=g, dtype=torch.int32)
-        x = torch.randn(frames, batch, 16, generator=g)
-        out.append((x, targets, torch.full((batch,), frames, dtype=torch.int32), lengths))
+        targets = torch.randint(1, 8, (batch, longest), generator=g)
+        target_lengths = torch.randint(3, longest + 1, (batch,), generator=g)
+        input_lengths = torch.randint(frames - 6, frames + 1, (batch,), generator=g)
+        out.append((torch.randn(frames, batch, 16, generator=g), targets, input_lengths, target_lengths))
     return out
 
 
@@ -134,7 +141,7 @@ class SetCriterion(torch.nn.Module):
         src_idx = torch.cat([src for src, _ in indices])
         classes = torch.full(logits.shape[:2], self.classes, dtype=torch.int64, device=logits.device)
         classes[batch_idx, src_idx] = torch.cat([labels[i][tgt] for i, (_, tgt) in enumerate(indices)])
-        loss_cls = F.cross_entropy(logits.transpose(1, 2), classes)
+        loss_cls = F.cross_entropy(logits.flatten(0, 1), classes.flatten())
         matched = boxes[batch_idx, src_idx]
         wanted = torch.cat([target_boxes[i][tgt] for i, (_, tgt) in enumerate(indices)])
         return loss_cls + F.l1_loss(matched, wanted)

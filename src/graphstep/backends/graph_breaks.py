@@ -38,7 +38,7 @@ KNOWN_FUNCTIONS: dict[str, str] = {
 """Self-contained functions (qualified name, or a bare name for any module defining it) that become a
 break where they fail, rather than the module around them (the whole model, for Mixtral's loss)."""
 
-_NOT_RECORDABLE = ("stream is capturing", "StreamCapture", "operation not permitted when stream")
+_NOT_RECORDABLE = ("stream is capturing", "StreamCapture", "during CUDA graph capture")
 
 
 @dataclasses.dataclass(eq=False)
