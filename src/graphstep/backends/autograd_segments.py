@@ -65,13 +65,17 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, module: torch.nn.Mod
     """Call `fn` (a module's forward when `module` is given) as an eager segment whose results may
     carry autograd history: plainly outside graphstep and in warm-up, split around at capture."""
     session = segments.active()
+    if (
+        segments.capture_elsewhere()
+        if session is None
+        else isinstance(session, segments.Capture) and _in_backward()
+    ):
+        raise CaptureError(
+            f"the eager segment {name} was called from autograd's backward while the step was being "
+            "captured: activation checkpointing around it recomputes its forward there, where no "
+            "graph can be split. Checkpoint inside the segment, or the parts before and after it."
+        )
     if session is None:
-        if segments.capture_elsewhere():
-            raise CaptureError(
-                f"the eager segment {name} was called from autograd's backward while the step was being "
-                "captured: activation checkpointing around it recomputes its forward there, where no "
-                "graph can be split. Checkpoint inside the segment, or the parts before and after it."
-            )
         return fn(*args, **kwargs)
     if isinstance(session, segments.Warmup):
         return _warm_up(session, fn, args, kwargs, name, module)
@@ -79,6 +83,11 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, module: torch.nn.Mod
     if seen is None or seen.reach is None:  # no results with history in the last warm-up
         return segments.split(session, fn, args, kwargs, name, seen)
     return _split(session, fn, args, kwargs, name, seen)
+
+
+def _in_backward() -> bool:
+    """Autograd's engine is running a backward on this thread (CPU backward runs on the caller's)."""
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
 
 
 def _warm_up(

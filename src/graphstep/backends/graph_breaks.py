@@ -134,7 +134,10 @@ class GraphBreaks:
         if not self.unlogged:
             return
         for made in self.unlogged:
-            host = sum(getattr(p, "host_s", 0.0) for p in parts if getattr(p, "name", None) in made.segments)
+            timed = [p for p in parts if getattr(p, "name", None) in made.segments]
+            if not timed:  # inside a later break (a matcher inside the loss around it)
+                continue
+            host = sum(p.host_s for p in timed)
             log.warning(
                 "graphstep: %s: captured with a graph break at %s: it costs %.2f ms of host time per call "
                 "(forward and backward, as the first replay measured), plus a wait for the GPU wherever it "
