@@ -282,3 +282,45 @@ def test_a_function_segment_with_dropout_inside_keeps_the_generator_in_eager_ord
     step = graphstep.capture(make(m_g, o_g, segment), model=m_g, optimizer=o_g, config=recording())
     compare(make(m_e, o_e, head), step, data(7), (m_e, m_g))
     assert parts(step) == ["ForwardSegment", "BackwardSegment"]
+
+
+def test_explain_names_the_break_a_capture_will_make_and_the_ones_made():
+    (_, _), (m_g, o_g) = twins()
+    step = graphstep.capture(moe_step(m_g, o_g), model=m_g, optimizer=o_g, config=recording())
+    x, y = data(1)[0]
+    before = graphstep.explain(step, x, y)
+    assert any("model.blocks.0.experts" in b and "will be made" in b for b in before.graph_breaks), before
+    assert "graph breaks" in str(before)
+    for x, y in data(4):
+        step(x, y)
+    after = graphstep.explain(step, x, y)
+    assert any("made when a capture stopped at" in b and "torch.where" in b for b in after.graph_breaks), (
+        after
+    )
+
+
+def test_batchnorm_with_a_cumulative_average_becomes_a_break_and_trains_bitwise():
+    def make():
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=None), torch.nn.Linear(8, 1)
+        )
+
+    (m_e, o_e), (m_g, o_g) = twins(make)
+
+    def make_step(model, opt):
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    step = graphstep.capture(make_step(m_g, o_g), model=m_g, optimizer=o_g, config=recording())
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(6)]
+    compare(make_step(m_e, o_e), step, batches, (m_e, m_g))
+    assert step.stats.graph_breaks == 1
+    assert torch.equal(m_e[1].running_mean, m_g[1].running_mean)
+    assert m_e[1].num_batches_tracked == m_g[1].num_batches_tracked == 6

@@ -7,11 +7,12 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator
-from types import TracebackType
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -261,9 +262,12 @@ class HostSyncWatch:
     refused instead, before anything of it runs. `sites` holds the user's lines.
     """
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, locate: Callable[[list[FrameType]], str | None] | None = None):
         self.cuda = cuda
         self.sites: list[str] = []
+        self.locate = locate
+        """Names the graph break a sync in these frames (outermost first) would make, or None."""
+        self.breaks: list[str] = []
 
     def __enter__(self) -> HostSyncWatch:
         if not self.cuda:  # the recording backend: watch ATen operations instead
@@ -293,6 +297,15 @@ class HostSyncWatch:
         site = "an unknown line" if frame is None else _describe(frame)
         if site not in self.sites:
             self.sites.append(site)
+        if self.locate is not None:
+            frames = []
+            f = sys._getframe(1)
+            while f is not None:
+                frames.append(f)
+                f = f.f_back
+            found = self.locate(frames[::-1])
+            if found is not None and found not in self.breaks:
+                self.breaks.append(found)
 
     def __exit__(self, *exc: object) -> None:
         if not self.cuda:

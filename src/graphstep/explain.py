@@ -46,6 +46,8 @@ class Explanation:
     """Python values the step's code read, guarded by value or identity (`label = value`)."""
     optimizers: list[str] = dataclasses.field(default_factory=list)
     """Where each optimizer's step will run (in the graph or an eager segment), and why."""
+    graph_breaks: list[str] = dataclasses.field(default_factory=list)
+    """Pieces that run (or, by this dry run's host syncs, will run) eagerly between the graphs."""
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend}", f"signature: {self.signature}"]
@@ -59,6 +61,9 @@ class Explanation:
         if self.optimizers:
             lines.append("optimizers:")
             lines += [f"  - {o}" for o in self.optimizers]
+        if self.graph_breaks:
+            lines.append("graph breaks (run eagerly, forward and backward, between graphs):")
+            lines += [f"  - {b}" for b in self.graph_breaks]
         if self.reads:
             lines.append("Python values the step's code reads, compared before each replay:")
             lines += [f"  - {r}" for r in self.reads]
@@ -130,9 +135,13 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
     reads = Reads.of_function(fn)
     refused_attributes: set[tuple[int, str]] = set()
     observer = StepObserver(host_tensors=bool(backend.cuda_devices))
+    breaks = [f"{b.name}: made when a capture stopped at {b.line}" for b in ctx.breaks.made]
     if backend.static_buffers:
         with observer.watching(state.optimizers):
-            syncs, reads, effects_found, segments, refused_attributes = _dry_run(step, backend, args, kwargs)
+            syncs, reads, effects_found, segments, refused_attributes, predicted = _dry_run(
+                step, backend, args, kwargs, ctx.breaks.predicted
+            )
+        breaks += [f"{name}: will be made at capture (it reads the host)" for name in predicted]
         hazards += [f"host sync at {site}" for site in syncs] + effects_found
         hazards += [
             f"{name} runs as an eager segment between graph replays (one wait for the GPU per call): {why}"
@@ -167,6 +176,7 @@ def explain(step: CapturedStep, *args: Any, **kwargs: Any) -> Explanation:
         optimizers=[ctx.modes.explain(opt, observer) for opt in state.optimizers]
         if backend.static_buffers
         else [],
+        graph_breaks=breaks,
     )
 
 
@@ -207,8 +217,8 @@ def _named(prefix: str, root: Any) -> list[tuple[str, Any]]:
 
 
 def _dry_run(
-    step: CapturedStep, backend: Any, args: tuple, kwargs: dict
-) -> tuple[list[str], Reads, list[str], dict[str, str], set[tuple[int, str]]]:
+    step: CapturedStep, backend: Any, args: tuple, kwargs: dict, locate: Any
+) -> tuple[list[str], Reads, list[str], dict[str, str], set[tuple[int, str]], list[str]]:
     """Run the step once eagerly, note its host syncs, its host random draws and Python writes (and
     prints), the library calls that would run as eager segments and what its Python reads, and take
     everything it did to Python state, tensors and
@@ -227,7 +237,7 @@ def _dry_run(
     try:
         arguments = sig.non_tensor_arguments(args, kwargs)
         with (
-            HostSyncWatch(cuda=backend.name == "cuda") as watch,
+            HostSyncWatch(cuda=backend.name == "cuda", locate=locate) as watch,
             library_segments.calls_as_segments("explain", capturing=False) as segments,
             ReadWatch(arguments) as reads,
             draws,
@@ -246,4 +256,4 @@ def _dry_run(
     hazards += [
         f"prints or logs (on warm-ups and at capture only, not on replays): {p}" for p in python.prints
     ]
-    return watch.sites, reads.reads, hazards, segments, python.found_attributes
+    return watch.sites, reads.reads, hazards, segments, python.found_attributes, watch.breaks

@@ -149,8 +149,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.rewarmed = False
-        """The last capture gave way to one more warm-up (`WarmUpAgain`)."""
+        self.rewarmed = False  # the last capture gave way to one more warm-up (`WarmUpAgain`)
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
@@ -289,14 +288,7 @@ class Lifecycle:
         try:
             variant = capture_variant(ctx, args, kwargs, self.segment_results, self.warm_outputs)
         except WarmUpAgain as again:
-            # A graph break was just made, or the step called eager segments the last warm-up did
-            # not: this call is one more warm-up (nothing of the failed capture is left), the next
-            # captures. Twice in a row without a break: the step's segments change from call to call.
-            if not again.after_break and self.rewarmed:
-                raise CaptureError(str(again)) from None
-            self.rewarmed = True
-            self.warmups = min(self.warmups, ctx.warmups_needed - 1)
-            return self.warm_up(*called_with)
+            return _warm_up_again(self, again, *called_with)
         finally:
             for old in replaced:
                 old.recording.release()
@@ -385,6 +377,17 @@ class Lifecycle:
             "graphstep: %s holds max_graphs graphs: dropping its least recently used variant", self.ctx.name
         )
         return [oldest]
+
+
+def _warm_up_again(life: Lifecycle, again: WarmUpAgain, args: tuple, kwargs: dict) -> Any:
+    """A graph break was just made, or the step called eager segments the last warm-up did not:
+    this call is one more warm-up (nothing of the failed capture is left), the next captures.
+    Twice in a row without a break: the step's segments change from call to call."""
+    if not again.after_break and life.rewarmed:
+        raise CaptureError(str(again)) from None
+    life.rewarmed = True
+    life.warmups = min(life.warmups, life.ctx.warmups_needed - 1)
+    return life.warm_up(args, kwargs)
 
 
 def _give_up(ctx: StepContext, changes: tuple[str, ...]) -> None:

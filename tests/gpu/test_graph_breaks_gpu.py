@@ -137,7 +137,9 @@ def test_mixtral_with_its_auxiliary_loss_trains_bitwise_with_graph_breaks(implem
     data = [(ids.cuda(), ids.cuda()) for ids in torch.randint(0, 128, (10, 4, 32), generator=g)]
     with transformers_capture_path():  # the eager twin takes the path a capture takes
         compare(lm_step(m_e, o_e), step, data, (m_e, m_g))
-    assert step.stats.graph_breaks >= 1 and step.stats.captures == 1, step.stats
+    step.close()  # takes the breaks off: the auxiliary loss function is transformers' again
+    # the experts, and the auxiliary loss where it reads the host (bincount copies)
+    assert step.stats.graph_breaks == 2 and step.stats.captures == 1, step.stats
 
 
 def test_ctc_loss_with_host_lengths_that_change_every_batch_trains_bitwise():
@@ -187,4 +189,5 @@ def test_a_detr_matcher_on_the_host_trains_bitwise():
         for _ in range(10)
     ]
     compare(make_step(m_e, o_e, criterion_e), step, data, (m_e, m_g))
-    assert step.stats.graph_breaks >= 1 and step.stats.captures == 1, step.stats
+    # the matcher, then the loss around it (the matcher hands host tensors to what follows)
+    assert step.stats.graph_breaks == 2 and step.stats.captures == 1, step.stats

@@ -107,6 +107,14 @@ class GraphBreaks:
         while tb is not None:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
+        return self.target_in(frames)
+
+    def predicted(self, frames: list[types.FrameType]) -> str | None:
+        """For `explain`: the break a capture stopped in `frames` (outermost first) would make."""
+        target = self.target_in(frames)
+        return None if target is None or self.mode != "auto" else target[2]
+
+    def target_in(self, frames: list[types.FrameType]) -> tuple[str, Any, str] | None:
         for frame in reversed(frames):
             if frame.f_code is self.step_code:
                 return None  # reached the step function: nothing around the line to break out

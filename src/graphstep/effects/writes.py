@@ -402,7 +402,7 @@ def _asynchronous(frame: types.FrameType | None) -> bool:
 def _in_segment(frame: types.FrameType | None) -> bool:
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "_split" and os.path.abspath(code.co_filename) == _SEGMENTS_FILE:
+        if code.co_name == "plainly" and os.path.abspath(code.co_filename) == _SEGMENTS_FILE:
             return True
         frame = frame.f_back
     return False
