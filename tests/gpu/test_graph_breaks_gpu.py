@@ -191,3 +191,68 @@ def test_a_detr_matcher_on_the_host_trains_bitwise():
     compare(make_step(m_e, o_e, criterion_e), step, data, (m_e, m_g))
     # the matcher, then the loss around it (the matcher hands host tensors to what follows)
     assert step.stats.graph_breaks == 2 and step.stats.captures == 1, step.stats
+
+
+def test_fp16_with_a_grad_scaler_and_accumulation_around_breaks_trains_bitwise():
+    def make_step(model, opt, scaler):
+        def step(x, y):
+            for xs, ys in zip(x.chunk(2), y.chunk(2)):
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(xs).float(), ys) / 2
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss.detach()
+
+        return step
+
+    (m_e, o_e), (m_g, o_g) = twins(MoENet)
+    s_e, s_g = torch.amp.GradScaler("cuda"), torch.amp.GradScaler("cuda")
+    step = graphstep.capture(make_step(m_g, o_g, s_g), model=m_g, optimizer=o_g)
+    compare(make_step(m_e, o_e, s_e), step, moe_data(10), (m_e, m_g))
+    assert torch.equal(s_e.get_scale() * 1.0, s_g.get_scale() * 1.0)
+    assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
+
+
+def test_a_compiled_model_around_a_break_trains_bitwise():
+    (m_e, o_e), (m_g, o_g) = twins(MoENet)
+    c_e, c_g = torch.compile(m_e), torch.compile(m_g)
+    step = graphstep.capture(moe_step(c_g, o_g), model=m_g, optimizer=o_g)
+    compare(moe_step(c_e, o_e), step, moe_data(10), (m_e, m_g))
+    assert step.stats.captures == 1, step.stats
+
+
+def test_a_torchmetrics_update_with_its_checks_runs_as_a_break():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metrics = [
+        torchmetrics.classification.MulticlassAccuracy(num_classes=4, validate_args=True).cuda()
+        for _ in range(2)
+    ]
+
+    def make(model, opt, metric):
+        def step(x, labels):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            metric(logits.detach(), labels)  # forward: update, with its argument checks (host reads)
+            return loss
+
+        return step
+
+    (m_e, o_e), (m_g, o_g) = twins(
+        lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    )
+    step = graphstep.capture(make(m_g, o_g, metrics[1]), model=m_g, optimizer=o_g)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(16, 8, generator=g).cuda(), torch.randint(0, 4, (16,), generator=g).cuda())
+        for _ in range(8)
+    ]
+    compare(make(m_e, o_e, metrics[0]), step, data, (m_e, m_g))
+    assert torch.equal(metrics[0].compute(), metrics[1].compute())
+    assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
