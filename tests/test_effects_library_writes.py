@@ -91,6 +91,20 @@ def test_a_library_counter_is_refused_with_its_line_and_the_users(library):
     assert "2 -> 3" in text, text
 
 
+def test_with_graph_breaks_a_library_module_that_counts_runs_eagerly_and_counts_every_call(library):
+    model_cls = wrapped(library, counting=True)
+    (model, _, eager), (twin, _, captured) = twins(
+        model_cls, train, config=graphstep.Config(backend="recording", warmup_steps=2)
+    )
+    for i, (x, y) in enumerate(batches(6)):
+        torch.manual_seed(i)
+        want = eager(x, y)
+        torch.manual_seed(i)
+        assert torch.equal(want, captured(x, y))
+    assert model.scaled.calls == twin.scaled.calls == 6
+    assert captured.stats.graph_breaks == 1 and captured.stats.captures == 1
+
+
 def test_library_writes_leaving_the_same_value_scratch_state_or_new_objects_are_not_changes(library):
     _model, twin = equal_over_steps(wrapped(library, counting=False), train)
     assert twin.scaled.mode == "train" and twin.scaled.calls == 0

@@ -324,3 +324,34 @@ def test_batchnorm_with_a_cumulative_average_becomes_a_break_and_trains_bitwise(
     assert step.stats.graph_breaks == 1
     assert torch.equal(m_e[1].running_mean, m_g[1].running_mean)
     assert m_e[1].num_batches_tracked == m_g[1].num_batches_tracked == 6
+
+
+def test_a_torchmetrics_update_with_its_checks_and_counters_runs_as_a_break():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    (m_e, o_e), (m_g, o_g) = twins(
+        lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    )
+    metrics = [
+        torchmetrics.classification.MulticlassAccuracy(num_classes=4, validate_args=True) for _ in range(2)
+    ]
+
+    def make(model, opt, metric):
+        def step(x, labels):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            metric(logits.detach(), labels)  # its checks read the host; it counts its updates in Python
+            return loss
+
+        return step
+
+    step = graphstep.capture(make(m_g, o_g, metrics[1]), model=m_g, optimizer=o_g, config=recording())
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(6)]
+    for x, y in batches:
+        assert torch.equal(make(m_e, o_e, metrics[0])(x, y), step(x, y))
+    assert torch.equal(metrics[0].compute(), metrics[1].compute())
+    assert metrics[0]._update_count == metrics[1]._update_count == 6
+    assert step.stats.graph_breaks >= 1 and step.stats.captures == 1, step.stats

@@ -106,7 +106,9 @@ class Snapshot:
     grads: list[tuple[torch.Tensor, torch.Tensor | None]]
     optimizer_state: list[tuple[torch.optim.Optimizer, list[tuple[Any, Any, dict | None]], list[dict]]]
     """Per optimizer: (parameter, its state dict, that dict's contents) in order, and the groups."""
-    training: list[tuple[nn.Module, bool]]
+    modules: list[tuple[nn.Module, dict]]
+    """Each module's attributes (its `__dict__`, shallow): train/eval, and what a library's forward
+    rebinds with `setattr` (a metric's state tensors) before a capture fails."""
     cpu_rng: torch.Tensor
     cuda_rng: list[tuple[int, torch.Tensor]]
 
@@ -124,7 +126,7 @@ class Snapshot:
                 )
                 for opt in state.optimizers
             ],
-            training=[(m, m.training) for root in state.modules for m in root.modules()],
+            modules=[(m, dict(m.__dict__)) for root in state.modules for m in root.modules()],
             cpu_rng=torch.get_rng_state(),
             cuda_rng=[(i, torch.cuda.get_rng_state(i)) for i in cuda_devices],
         )
@@ -144,8 +146,13 @@ class Snapshot:
             for group, saved in zip(opt.param_groups, saved_groups):
                 group.clear()
                 group.update(saved)
-        for m, training in self.training:
-            m.training = training
+        for m, saved in self.modules:
+            now = m.__dict__
+            for key in [k for k in now if k not in saved]:
+                del now[key]
+            for key, value in saved.items():
+                if now.get(key, saved) is not value:
+                    now[key] = value
         torch.set_rng_state(self.cpu_rng)
         for i, rng in self.cuda_rng:
             torch.cuda.set_rng_state(rng, i)

@@ -213,12 +213,14 @@ def test_fp16_with_a_grad_scaler_and_accumulation_around_breaks_trains_bitwise()
     s_e, s_g = torch.amp.GradScaler("cuda"), torch.amp.GradScaler("cuda")
     step = graphstep.capture(make_step(m_g, o_g, s_g), model=m_g, optimizer=o_g)
     compare(make_step(m_e, o_e, s_e), step, moe_data(10), (m_e, m_g))
-    assert torch.equal(s_e.get_scale() * 1.0, s_g.get_scale() * 1.0)
+    assert s_e.get_scale() == s_g.get_scale()
     assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
 
 
-def test_a_compiled_model_around_a_break_trains_bitwise():
+def test_a_compiled_model_around_a_marked_segment_trains_bitwise():
     (m_e, o_e), (m_g, o_g) = twins(MoENet)
+    for block in m_g.blocks:  # dynamo breaks its own graph at the segment and runs it eagerly
+        graphstep.eager_segment(block.experts)
     c_e, c_g = torch.compile(m_e), torch.compile(m_g)
     step = graphstep.capture(moe_step(c_g, o_g), model=m_g, optimizer=o_g)
     compare(moe_step(c_e, o_e), step, moe_data(10), (m_e, m_g))

@@ -61,6 +61,7 @@ class Reach:
     """Per result tensor: it requires grad."""
 
 
+@torch.compiler.disable  # a compiled model around a segment: dynamo breaks its graph here, never traces it
 def run(fn: Callable, args: tuple, kwargs: dict, name: str, module: torch.nn.Module | None = None) -> Any:
     """Call `fn` (a module's forward when `module` is given) as an eager segment whose results may
     carry autograd history: plainly outside graphstep and in warm-up, split around at capture."""

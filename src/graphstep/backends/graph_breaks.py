@@ -68,9 +68,15 @@ class GraphBreaks:
         """The capture failed with `error`: make a break around its failing line and say so (True),
         or leave the error as it is (False: breaks off, not an operation a graph cannot record, or
         no module or known function around the line)."""
-        if self.mode != "auto" or not not_recordable(error):
+        if self.mode != "auto":
             return False
-        target = self.target_of(error.__traceback__)
+        written = [m for m in getattr(error, "modules", ()) if not autograd_segments.is_marked(m)]
+        if written:  # a library's writes inside a module's forward: run it eagerly, it repeats them
+            target = ("module", written[0], self.path_of(written[0]))
+        elif not_recordable(error):
+            target = self.target_of(error.__traceback__)
+        else:
+            return False
         if target is None:
             return False
         kind, obj, name = target
@@ -88,7 +94,8 @@ class GraphBreaks:
         else:
             undo = _replace_function(obj, name)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        made = Break(name, names, where(error.__traceback__), first_line, undo)
+        line = where(error.__traceback__) if not written else "the Python state it writes on every call"
+        made = Break(name, names, line, first_line, undo)
         self.made.append(made)
         self.unlogged.append(made)
         log.warning(

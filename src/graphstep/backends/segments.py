@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,8 +70,11 @@ class Segment:
     outputs: list[torch.Tensor]
     """The buffers later parts read; a replay copies the segment's fresh results into them."""
     name: str
+    host_s: float = 0.0
+    """Host time of its last run."""
 
     def run(self) -> None:
+        start = time.perf_counter()
         for p, g in self.grads:
             p.grad = g
         with torch.no_grad(), ranged("graphstep.eager_segment"):
@@ -88,6 +92,7 @@ class Segment:
             for buffer, t in zip(self.outputs, tensors):
                 if t is not buffer:
                     buffer.copy_(t)
+        self.host_s = time.perf_counter() - start
 
 
 @dataclasses.dataclass(eq=False)

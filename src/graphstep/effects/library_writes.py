@@ -34,6 +34,8 @@ class _First:
     before: Any
     text: str
     where: str
+    module: Any = None
+    """The innermost module whose `forward` was running when the library wrote."""
 
 
 class LibraryWrites:
@@ -43,23 +45,40 @@ class LibraryWrites:
         self._first: dict[tuple, _First | None] = {}
 
     def note(
-        self, kind: str, obj: Any, name: Any, before: Any, text: str, where: Callable[[], str | None]
+        self, kind: str, obj: Any, name: Any, before: Any, text: str, where: Callable[[], tuple | None]
     ) -> None:
-        """A library store completed. `where`: its site, asked for the first write to a place only; None
-        when the store is not the step's to judge (inside an eager segment, a gc callback)."""
+        """A library store completed. `where`: its site and the module around it, asked for the first
+        write to a place only; None when the store is not the step's to judge (inside an eager segment,
+        a gc callback)."""
         key = (kind, id(obj), name if kind != "item" else None)
         if key not in self._first:
             site = where()
-            self._first[key] = None if site is None else _First(kind, obj, name, before, text, site)
+            self._first[key] = None if site is None else _First(kind, obj, name, before, text, *site)
 
-    def changed(self) -> list[tuple[str, str, Callable[[], None], tuple[int, str] | None]]:
-        """(where, what, undo, attribute) for each place whose net change a replay would not repeat."""
+    def changed(self) -> list[tuple[str, str, Callable[[], None], tuple[int, str] | None, Any]]:
+        """(where, what, undo, attribute, module) for each place whose net change a replay would not
+        repeat."""
         found = []
         for first in self._first.values():
             judged = None if first is None else _judge(first)
             if judged is not None:
-                found.append((first.where, *judged))
+                found.append((first.where, *judged, first.module))
         return found
+
+
+    def undo_all(self) -> None:
+        """Put back every place a library wrote, judged or not (a failed capture leaves what eager
+        would: a metric that rebound its state tensors before the capture stopped gets them back)."""
+        firsts, self._first = [f for f in self._first.values() if f is not None], {}
+        for f in reversed(firsts):
+            if f.kind == "global":
+                values.undo_global(f.obj, f.name, f.before)()
+            elif f.kind == "cell":
+                values.undo_cell(f.obj, f.before)()
+            elif f.kind == "attr":
+                values.restore_attr(f.obj, f.name, f.before)
+            else:
+                values.restore_contents(f.obj, f.before)
 
 
 def _judge(f: _First) -> tuple[str, Callable[[], None], tuple[int, str] | None] | None:

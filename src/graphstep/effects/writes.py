@@ -80,6 +80,9 @@ class Write:
     undo: Callable[[], None]
     attribute: tuple[int, str] | None = None
     """(id of the object, attribute name) of an attribute write."""
+    module: Any = None
+    """For a library's write: the innermost module whose `forward` was running (a graph break there
+    would repeat the write on every call)."""
 
 
 @dataclasses.dataclass
@@ -195,9 +198,11 @@ class WriteWatch:
             self.roll_back()
             return
         if self.writes and not self.allow:
-            message = refusal(self.step_name, self.writes)
+            error = PythonWriteError(refusal(self.step_name, self.writes))
+            # Where every write is a library's inside a module, running that module eagerly repeats them.
+            error.modules = [w.module for w in self.writes] if all(w.module for w in self.writes) else []
             self.roll_back()
-            raise PythonWriteError(message)
+            raise error
         if self.writes:
             log.debug(
                 "graphstep: %s writes Python state at capture (allowed by Config(allow_python_writes=True)); "
@@ -215,10 +220,12 @@ class WriteWatch:
             )
 
     def roll_back(self) -> None:
-        """Put back what the refused (or allowed) writes changed, newest first."""
+        """Put back what the refused (or allowed) writes changed, newest first, and every place library
+        code wrote (a failed or refused capture leaves Python state as before the call)."""
         writes, self.writes = self.writes, []
         for write in reversed(writes):
             write.undo()
+        self._library.undo_all()
 
     # -- the hooks ------------------------------------------------------------------------------
 
@@ -334,10 +341,10 @@ class WriteWatch:
         if p.kind != "global" and not self._census.existed(obj):
             return
 
-        def where() -> str | None:  # the first write to a place only: these walk the stack
+        def where() -> tuple[str, Any] | None:  # the first write to a place only: these walk the stack
             if _in_segment(frame) or _asynchronous(frame):
                 return None
-            return self._where(frame, p.line)
+            return self._where(frame, p.line), _module_around(frame)
 
         self._library.note(p.kind, obj, p.name, p.before, p.text, where)
 
@@ -397,6 +404,15 @@ def _asynchronous(frame: types.FrameType | None) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _module_around(frame: types.FrameType | None) -> Any:
+    while frame is not None:
+        module = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(module, torch.nn.Module):
+            return module
+        frame = frame.f_back
+    return None
 
 
 def _in_segment(frame: types.FrameType | None) -> bool:
