@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import graphstep
-from graphstep.demo.bench import ManualGraphStep, gpu_slug
+from graphstep.bench.parallel import KINDS, parallelize
+from graphstep.bench.runner import ManualGraphStep, gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
-from graphstep.demo.parallel import KINDS, parallelize
 from graphstep.demo.train import StepFn, make_train_step
 from graphstep.distributed.ranks import DDP_WARMUP_STEPS, Phase, Ranks
 
