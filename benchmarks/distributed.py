@@ -2,7 +2,7 @@
 whole-step `torch.cuda.graph`, and graphstep, side by side on the same GPUs in one run.
 
 Also times the vote graphstep holds before every call of a distributed step (`Ranks.agree`:
-shared memory on one host, see benchmarks/vote_cost.py). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
+shared memory on one host). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
 Run: `torchrun --nproc_per_node 2 benchmarks/distributed.py [--steps 100] [--out DIR]`.
 """
 
