@@ -22,7 +22,7 @@ import torch
 
 import graphstep
 from graphstep import effects
-from graphstep.demo.bench_report import gpu_slug
+from graphstep.bench.report import gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
 from graphstep.effects.values import Census
 

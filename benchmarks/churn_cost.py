@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import graphstep
-from graphstep.demo.bench_report import gpu_slug
+from graphstep.bench.report import gpu_slug
 
 STEPS = 1000
 MOMENTUM = [1 - (1 - 0.996) * (math.cos(math.pi * i / STEPS) + 1) / 2 for i in range(STEPS)]

@@ -2,7 +2,7 @@
 whole-step `torch.cuda.graph`, and graphstep, side by side on the same GPUs in one run.
 
 Also times the vote graphstep holds before every call of a distributed step (`Ranks.agree`:
-shared memory on one host, see benchmarks/vote_cost.py). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
+shared memory on one host). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
 Run: `torchrun --nproc_per_node 2 benchmarks/distributed.py [--steps 100] [--out DIR]`.
 """
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import graphstep
-from graphstep.demo.bench import ManualGraphStep, gpu_slug
+from graphstep.bench.parallel import KINDS, parallelize
+from graphstep.bench.runner import ManualGraphStep, gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
-from graphstep.demo.parallel import KINDS, parallelize
 from graphstep.demo.train import StepFn, make_train_step
 from graphstep.distributed.ranks import DDP_WARMUP_STEPS, Phase, Ranks
 

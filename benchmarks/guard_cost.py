@@ -105,7 +105,7 @@ def header(device: str) -> dict:
 def machine(device: str) -> tuple[str, str]:
     """(what ran it, the results file's prefix): the GPU's name, or the CPU's."""
     if device == "cuda":
-        from graphstep.demo.bench import gpu_slug
+        from graphstep.bench.runner import gpu_slug
 
         return torch.cuda.get_device_name(), gpu_slug(torch.cuda.get_device_name())
     return platform.processor() or platform.machine(), "cpu"

@@ -21,9 +21,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from graphstep.demo.bench_measure import make_method_step
-from graphstep.demo.bench_suites import suites
-from graphstep.demo.bench_workloads import BuildContext
+from graphstep.bench.measure import make_method_step
+from graphstep.bench.suites import suites
+from graphstep.bench.workloads import BuildContext
 
 sys.path.insert(0, str(Path(__file__).parent))
 import guard_cost

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import graphstep
-from graphstep.demo.bench import gpu_slug
+from graphstep.bench.runner import gpu_slug
 from graphstep.demo.gpt import GPT, GPT2_SMALL, make_batches
 from graphstep.demo.train import make_optimizer, make_train_step
 

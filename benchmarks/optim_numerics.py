@@ -35,7 +35,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 import graphstep
-from graphstep.demo.bench import gpu_slug
+from graphstep.bench.runner import gpu_slug
 from graphstep.optim import make_capturable
 
 OPTIONS = {

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import graphstep
-from graphstep.demo.bench_measure import calls_in_a_row, make_method_step
-from graphstep.demo.bench_suites import suites
-from graphstep.demo.bench_workloads import BuildContext
+from graphstep.bench.measure import calls_in_a_row, make_method_step
+from graphstep.bench.suites import suites
+from graphstep.bench.workloads import BuildContext
 from graphstep.signature import Signature
 
 sys.path.insert(0, str(Path(__file__).parent))

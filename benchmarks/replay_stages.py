@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from graphstep.demo.bench_measure import make_method_step
+from graphstep.bench.measure import make_method_step
 from graphstep.signature import Signature
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import graphstep
+from graphstep.bench.parallel import parallelize, parallelize_2d
 from graphstep.demo.gpt import GPT, GPTConfig, make_batches
-from graphstep.demo.parallel import parallelize, parallelize_2d
 from graphstep.errors import ClosedError, HostSyncError
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
@@ -258,7 +258,7 @@ def _mlp(device: torch.device) -> torch.nn.Module:
 
 
 def _ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP, on CUDA constructed on graphstep's capture stream (see demo/parallel.py)."""
+    """DDP, on CUDA constructed on graphstep's capture stream (see bench/parallel.py)."""
     if device.type != "cuda":
         return torch.nn.parallel.DistributedDataParallel(model)
     stream = graphstep.capture_stream(device)

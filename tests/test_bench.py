@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import graphstep
-from graphstep.demo import bench, bench_models, bench_report
-from graphstep.demo.bench_measure import MEASUREMENT, Counts, measure_row
-from graphstep.demo.bench_suites import SUITE_METHODS, suites
-from graphstep.demo.bench_workloads import BenchConfig, PackageMissing, need
+from graphstep.bench import models as bench_models
+from graphstep.bench import report as bench_report
+from graphstep.bench import runner
+from graphstep.bench.measure import MEASUREMENT, Counts, measure_row
+from graphstep.bench.suites import SUITE_METHODS, suites
+from graphstep.bench.workloads import BenchConfig, PackageMissing, need
 
 RECORDING = {"backend": "recording", "warmup_steps": 1}
 ALL_CONFIGS = [(suite, name) for suite, table in suites().items() for name in table]
@@ -74,8 +76,8 @@ def test_every_model_config_names_what_it_needs():
 def test_the_whole_step_compiled_turns_compiled_autograd_on_only_until_closed():
     import torch._dynamo.config as dynamo_config
 
-    from graphstep.demo.bench_measure import make_method_step
-    from graphstep.demo.bench_workloads import BuildContext
+    from graphstep.bench.measure import make_method_step
+    from graphstep.bench.workloads import BuildContext
 
     assert {"compiled_step", "compiled_step_ro"} <= set(SUITE_METHODS["gpt"])
     workload = suites()["gpt"]["tiny"].build(BuildContext(device=torch.device("cpu"), n_calls=4, tiny=True))
@@ -111,7 +113,7 @@ def test_a_builder_whose_package_is_missing_gives_a_skipped_row(monkeypatch):
 
 
 def test_a_failing_method_records_its_error_and_phase(monkeypatch):
-    from graphstep.demo import bench_measure
+    from graphstep.bench import measure
 
     def broken(method, workload, graphstep_config=None):
         def step(*args):
@@ -119,7 +121,7 @@ def test_a_failing_method_records_its_error_and_phase(monkeypatch):
 
         return step, None, None
 
-    monkeypatch.setattr(bench_measure, "make_method_step", broken)
+    monkeypatch.setattr(measure, "make_method_step", broken)
     row = measure_row(suite="gpt", config="tiny", method="eager", counts=Counts(), device="cpu", tiny=True)
     assert row["error"] == "RuntimeError during warmup: CUDA error: an illegal memory access"
     assert "Traceback" in row["traceback"]
@@ -137,7 +139,7 @@ def run_cpu(tmp_path: Path, **kwargs) -> tuple[int, dict]:
         suite="gpt", configs=["tiny"], methods=["eager", "graphstep"], out_dir=tmp_path, device="cpu", tiny=True,
         counts=TINY_COUNTS, graphstep_config=RECORDING, command="test",
     )  # fmt: skip
-    code = bench.run_bench(**{**options, **kwargs})
+    code = runner.run_bench(**{**options, **kwargs})
     (path,) = tmp_path.glob("*.json")
     return code, json.loads(path.read_text())
 
@@ -180,9 +182,9 @@ def test_the_models_suite_runs_by_priority_so_a_budget_cuts_compile_last(tmp_pat
 
 def test_a_row_the_budget_cuts_short_is_skipped_not_failed(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        bench, "worker_command", lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
+        runner, "worker_command", lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
     )
-    monkeypatch.setattr(bench, "MIN_ROW_S", 0.5)
+    monkeypatch.setattr(runner, "MIN_ROW_S", 0.5)
     code, data = run_cpu(tmp_path, budget_s=2.0)
     assert code == 0
     first, second = data["rows"]
@@ -207,7 +209,7 @@ def test_a_missing_package_skips_its_rows_without_starting_them(tmp_path, monkey
 
 def test_a_row_past_its_timeout_is_killed_and_says_where_it_was(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        bench, "worker_command", lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
+        runner, "worker_command", lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
     )
     code, data = run_cpu(tmp_path, methods=["eager"], row_timeout_s=1.0)
     assert code == 1
@@ -218,7 +220,7 @@ def test_a_row_past_its_timeout_is_killed_and_says_where_it_was(tmp_path, monkey
 
 def test_a_crashed_worker_gives_an_error_row_and_the_next_row_runs(tmp_path, monkeypatch):
     script = "import sys; print('Fatal Python error: Segmentation fault'); sys.exit(139)"
-    monkeypatch.setattr(bench, "worker_command", lambda job: [sys.executable, "-c", script])
+    monkeypatch.setattr(runner, "worker_command", lambda job: [sys.executable, "-c", script])
     code, data = run_cpu(tmp_path)
     assert code == 1 and len(data["rows"]) == 2
     assert (
@@ -228,8 +230,8 @@ def test_a_crashed_worker_gives_an_error_row_and_the_next_row_runs(tmp_path, mon
 
 
 def test_the_suite_must_have_the_configs_and_methods(tmp_path, capsys):
-    assert bench.run_bench(suite="models", configs=["tiny"], device="cpu", out_dir=tmp_path) == 2
-    assert bench.run_bench(suite="models", methods=["manual_graph"], device="cpu", out_dir=tmp_path) == 2
+    assert runner.run_bench(suite="models", configs=["tiny"], device="cpu", out_dir=tmp_path) == 2
+    assert runner.run_bench(suite="models", methods=["manual_graph"], device="cpu", out_dir=tmp_path) == 2
     err = capsys.readouterr().err
     assert "'tiny'" in err and "'manual_graph'" in err and "resnet50" in err
 
@@ -271,7 +273,7 @@ def fake_meta(*, quick: bool, suite: str = "gpt") -> dict:
 
 def test_add_ratios_divides_by_graphstep_of_the_same_config():
     rows = fake_rows()
-    bench.add_ratios(rows)
+    runner.add_ratios(rows)
     ratio = {(r["config"], r["method"]): r["ratio_to_graphstep"] for r in rows}
     assert ratio["tiny", "graphstep"] == 1.0 and ratio["tiny", "eager"] == 6.0
     assert ratio["gpt2_small", "manual_graph"] == 0.75
@@ -281,8 +283,8 @@ def test_add_ratios_divides_by_graphstep_of_the_same_config():
 
 def test_write_results_writes_json_markdown_and_chart(tmp_path):
     rows = fake_rows()
-    bench.add_ratios(rows)
-    paths = bench.write_results(rows, fake_meta(quick=False, suite="models"), tmp_path / "results")
+    runner.add_ratios(rows)
+    paths = runner.write_results(rows, fake_meta(quick=False, suite="models"), tmp_path / "results")
     names = [p.name for p in paths]
     assert names[:2] == ["h100_2026-01-02_models.json", "h100_2026-01-02_models.md"]
 
@@ -326,7 +328,7 @@ def test_write_results_writes_json_markdown_and_chart(tmp_path):
 def test_write_results_without_matplotlib_skips_the_chart_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with caplog.at_level(logging.WARNING, logger="graphstep"):
-        paths = bench.write_results(fake_rows(), fake_meta(quick=True), tmp_path)
+        paths = runner.write_results(fake_rows(), fake_meta(quick=True), tmp_path)
     assert [p.name for p in paths] == ["h100_2026-01-02_gpt_quick.json", "h100_2026-01-02_gpt_quick.md"]
     assert not list(tmp_path.glob("*.png"))
     assert "matplotlib is not installed" in caplog.text
@@ -335,7 +337,7 @@ def test_write_results_without_matplotlib_skips_the_chart_with_a_warning(tmp_pat
 def test_bench_report_redraws_the_files_from_a_json(tmp_path, capsys):
     rows = fake_rows()
     bench_report.add_ratios(rows)  # as the bench does before writing; a redraw computes them again
-    (json_path, md_path, *_) = bench.write_results(rows, fake_meta(quick=True), tmp_path / "a", chart=False)
+    (json_path, md_path, *_) = runner.write_results(rows, fake_meta(quick=True), tmp_path / "a", chart=False)
     assert bench_report.main([str(json_path), str(tmp_path / "b")]) == 0
     assert (tmp_path / "b" / md_path.name).read_text() == md_path.read_text()
     assert "wrote" in capsys.readouterr().out
@@ -350,7 +352,7 @@ def test_merged_runs_say_where_rows_ran_and_compare_the_compiled_step_like_for_l
         rows.append(dict(config="tiny", method=method, step_ms=pipelined, pipelined_ms=pipelined, error=None))
     meta = fake_meta(quick=True)
     meta["isolate"] = "Rows of the first call ran each in a fresh process; the others in one process."
-    (_, md_path, *_) = bench.write_results(rows, meta, tmp_path, chart=False)
+    (_, md_path, *_) = runner.write_results(rows, meta, tmp_path, chart=False)
     md = md_path.read_text()
     assert meta["isolate"] in md and "Each row ran in a fresh process" not in md
     assert "graphstep+compiled / whole step compiled (best mode), pipelined 0.45 (≤ 1 ✓)" in md
@@ -390,4 +392,4 @@ def test_host_target_has_no_verdict_where_every_call_waits_for_the_gpu():
     ],
 )
 def test_gpu_slug(name, slug):
-    assert bench.gpu_slug(name) == slug
+    assert runner.gpu_slug(name) == slug

@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo.train import run_demo
 
         return run_demo(steps=args.steps, device=args.device)
-    from .demo.bench import run_bench
+    from .bench.runner import run_bench
 
     command = shlex.join(["graphstep", *(sys.argv[1:] if argv is None else argv)])
     return run_bench(
@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .demo.bench import METHODS, ROW_TIMEOUT_S
-    from .demo.bench_suites import SUITE_METHODS, suites
+    from .bench.runner import METHODS, ROW_TIMEOUT_S
+    from .bench.suites import SUITE_METHODS, suites
 
     all_suites = suites()
     config_names = [name for table in all_suites.values() for name in table]

@@ -5,7 +5,7 @@ curves, the median step time of each run, and checks the promise graphstep makes
 every final parameter is bitwise equal (`torch.equal`) to eager. The exit code is 1 when they are not.
 
 The pieces a training step is made of (optimizer, step function, timing) live here too, so the
-benchmark (`graphstep.demo.bench`) times exactly the step the demo verifies.
+benchmark (`graphstep.bench`) times exactly the step the demo verifies.
 """
 
 from __future__ import annotations

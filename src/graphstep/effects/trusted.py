@@ -20,6 +20,7 @@ TRUSTED: dict[str, str | None] = {
     "graphstep": "graphstep's own bookkeeping (guards, segments, live hyperparameters): it redoes per call what "
     "a replay needs",
     "graphstep.demo": None,  # the demo is a training script like the user's
+    "graphstep.bench": None,  # so is the benchmark's step
     "torch": "torch's Python in a step (module calls and their hooks' machinery, autograd, autocast, "
     "checkpointing, DDP and FSDP2, GradScaler, the optimizers' base class) sets the same per-call "
     "bookkeeping on every call; values that change per step are tensors, which the graph updates, and "

@@ -1,8 +1,8 @@
 """What `graphstep bench` trains: a `Workload` per config (model, optimizer, scheduler, step, data),
-and the gpt suite's configs (`bench_suites.py` lists the suites).
+and the gpt suite's configs (`suites.py` lists the suites).
 
 `--suite gpt` (the default) is the built-in GPT at two sizes; `--suite models` is real models no one
-here wrote (`bench_models.py`: torchvision, timm, transformers, torch_geometric, and a PPO update).
+here wrote (`models.py`: torchvision, timm, transformers, torch_geometric, and a PPO update).
 A builder gets a `BuildContext` (device, how many calls the run makes, tiny sizes for CPU tests) and
 returns a `Workload`. A builder whose package is missing raises `PackageMissing`: the row says so.
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .gpt import GPT, GPT2_SMALL, TINY, GPTConfig, make_batches
-from .train import CLIP_NORM, LR, make_optimizer, make_train_step
+from ..demo.gpt import GPT, GPT2_SMALL, TINY, GPTConfig, make_batches
+from ..demo.train import CLIP_NORM, LR, make_optimizer, make_train_step
 
 StepFn = Callable[..., Tensor]
 

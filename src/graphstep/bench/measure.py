@@ -38,8 +38,8 @@ from torch import Tensor
 
 import graphstep
 
-from .bench_suites import suites
-from .bench_workloads import BuildContext, PackageMissing, StepFn, Workload, n_parameters
+from .suites import suites
+from .workloads import BuildContext, PackageMissing, StepFn, Workload, n_parameters
 
 log = logging.getLogger("graphstep")
 

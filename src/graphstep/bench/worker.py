@@ -1,9 +1,9 @@
-"""`python -m graphstep.demo.bench_worker JOB.json`: one row of `graphstep bench` in a process of its own.
+"""`python -m graphstep.bench.worker JOB.json`: one row of `graphstep bench` in a process of its own.
 
 `graphstep bench` starts one of these per (config, method), so each method's memory peak is its
 own (no leftovers of the methods before it: compiled code, cudagraph pools, the allocator's cache)
 and a crash, a hang or a poisoned CUDA context costs one row, not the run. The job file says what to
-run (see `bench.py`); the row is written to the job's `row_path` after every phase.
+run (see `runner.py`); the row is written to the job's `row_path` after every phase.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m graphstep.demo.bench_worker JOB.json", file=sys.stderr)
+        print("usage: python -m graphstep.bench.worker JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(args[0]).read_text())
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logger.addHandler(handler)
 
-    from .bench_measure import Counts, cupti_graph_workaround, measure_row
+    from .measure import Counts, cupti_graph_workaround, measure_row
 
     cupti_graph_workaround()
     row = measure_row(

@@ -2,16 +2,16 @@
 
 Two suites: `gpt` (the default; the built-in GPT at two sizes, with a hand-written whole-step graph
 as the expert's anchor) and `models` (ResNet-50, ViT-S/16, BERT-base, a 127M Llama, a PPO update, a
-GCN; see `bench_models.py`). Methods: see `bench_measure.py`.
+GCN; see `models.py`). Methods: see `measure.py`.
 
-Each (config, method) row runs in a fresh process (`bench_worker.py`): its memory peak is its own,
+Each (config, method) row runs in a fresh process (`worker.py`): its memory peak is its own,
 and a crash or a hang costs that row only. A row that fails records its error's first line; one
 whose package is missing says so; one that runs past `--row-timeout` is killed and keeps the phases
 it finished. The gpt suite runs config by config. The models suite runs by priority, so that a
 `--budget` (seconds for the whole run) cuts the least important rows: first eager and graphstep on
 every config, then graphstep with a compiled model and reduce-overhead, then torch.compile. The
 JSON and Markdown files are rewritten after every row, the chart at the end
-(`python -m graphstep.demo.bench_report FILE.json` draws it again from a JSON file).
+(`python -m graphstep.bench.report FILE.json` draws it again from a JSON file).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import torch
 
 import graphstep
 
-from .bench_measure import MEASUREMENT, Counts, ManualGraphStep, cupti_graph_workaround, measure_row, new_row
-from .bench_report import METHOD_ORDER, add_ratios, gpu_slug, markdown_table, sorted_rows, write_results
-from .bench_suites import SUITE_METHODS, suites
-from .bench_workloads import GPT_CONFIGS
+from .measure import MEASUREMENT, Counts, ManualGraphStep, cupti_graph_workaround, measure_row, new_row
+from .report import METHOD_ORDER, add_ratios, gpu_slug, markdown_table, sorted_rows, write_results
+from .suites import SUITE_METHODS, suites
+from .workloads import GPT_CONFIGS
 
 __all__ = [
     "CONFIGS",
@@ -229,7 +229,7 @@ def _release(device: str) -> None:
 
 
 def _run_isolated(job: dict[str, Any], timeout: float, tmp: Path, i: int) -> dict[str, Any]:
-    """The row in a fresh `python -m graphstep.demo.bench_worker` process, killed past `timeout` seconds."""
+    """The row in a fresh `python -m graphstep.bench.worker` process, killed past `timeout` seconds."""
     job_path, log_path = tmp / f"job{i}.json", tmp / f"row{i}.log"
     job_path.write_text(json.dumps(job))
     src = str(Path(graphstep.__file__).resolve().parents[1])  # the graphstep this process runs
@@ -271,7 +271,7 @@ def _run_isolated(job: dict[str, Any], timeout: float, tmp: Path, i: int) -> dic
 
 def worker_command(job_path: Path) -> list[str]:
     """The command line of one row's process (a function, so tests can start something else)."""
-    return [sys.executable, "-m", "graphstep.demo.bench_worker", str(job_path)]
+    return [sys.executable, "-m", "graphstep.bench.worker", str(job_path)]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

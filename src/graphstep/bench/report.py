@@ -321,12 +321,12 @@ def plot(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m graphstep.demo.bench_report FILE.json [OUT_DIR]`: write the .json, .md and .png again
+    """`python -m graphstep.bench.report FILE.json [OUT_DIR]`: write the .json, .md and .png again
     from FILE into OUT_DIR (default: FILE's folder): a run cut short before its chart, tables changed, or
     rows of two runs merged into one file."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2):
-        print("usage: python -m graphstep.demo.bench_report RESULTS.json [OUT_DIR]", file=sys.stderr)
+        print("usage: python -m graphstep.bench.report RESULTS.json [OUT_DIR]", file=sys.stderr)
         return 2
     data = json.loads(Path(args[0]).read_text())
     rows = data.pop("rows")

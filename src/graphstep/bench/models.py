@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .bench_workloads import BenchConfig, BuildContext, Workload, need, version_of
+from .workloads import BenchConfig, BuildContext, Workload, need, version_of
 
 N_BATCHES = 4
 SCHEDULE_MARGIN = 16

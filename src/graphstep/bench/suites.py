@@ -1,14 +1,14 @@
 """The suites of `graphstep bench` and the methods each runs.
 
-`gpt` (the default): the built-in GPT at two sizes (`bench_workloads.py`), with the hand-written
+`gpt` (the default): the built-in GPT at two sizes (`workloads.py`), with the hand-written
 whole-step graph and the whole step compiled (`compiled_step`, `compiled_step_ro`) as anchors. `models`: real models
-no one here wrote (`bench_models.py`).
+no one here wrote (`models.py`).
 """
 
 from __future__ import annotations
 
-from .bench_models import MODEL_CONFIGS
-from .bench_workloads import GPT_CONFIGS, BenchConfig
+from .models import MODEL_CONFIGS
+from .workloads import GPT_CONFIGS, BenchConfig
 
 SUITE_METHODS = {
     "gpt": (

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..backends.cuda import capture_stream
-from .gpt import GPT
+from ..demo.gpt import GPT
 
 KINDS = ("ddp", "fsdp", "fsdp_keep", "tp")
 """`fsdp`: FSDP2 resharding after forward; `fsdp_keep`: keeping parameters gathered until backward."""
