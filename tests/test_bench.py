@@ -68,7 +68,7 @@ def test_builder_and_step_train_eagerly_and_captured_equal(suite, config):
 
 def test_every_model_config_names_what_it_needs():
     models = suites()["models"]
-    assert list(models) == ["resnet50", "vit_s16", "bert_base", "llama_125m", "ppo_mlp", "gcn"]
+    assert list(models) == ["resnet50", "vit_s16", "bert_base", "llama_125m", "mixtral_moe", "ppo_mlp", "gcn"]
     assert models["resnet50"].packages == ("torchvision",) and models["ppo_mlp"].packages == ()
     assert "manual_graph" not in SUITE_METHODS["models"]  # it would bake the schedulers' values in
 

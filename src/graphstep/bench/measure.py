@@ -218,6 +218,7 @@ def _run_phases(
         row["host_us"] = statistics.median(host_s) * 1e6
     if captured is not None:
         row["graphstep"] = graphstep_stats(captured.stats, before)
+        row["graphstep"]["segments_host_ms"] = segments_host_ms(captured)
         if cuda and counts.pipelined_calls:
             row["graph_floor_ms"] = graph_floor_ms(captured, counts.pipelined_calls)
     if cuda:
@@ -277,11 +278,19 @@ def graph_floor_ms(captured: Any, calls: int) -> float | None:
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+def segments_host_ms(captured: Any) -> float | None:
+    """Host time of the eager segments (graph breaks, eager optimizer steps) in the last replay."""
+    lives = [life for life in captured._lives.values() if life.current is not None]
+    if len(lives) != 1:
+        return None
+    return sum(getattr(s, "host_s", 0.0) for s in lives[0].current.recording.segments) * 1e3
+
+
 def graphstep_stats(stats: Any, before: Any = None) -> dict[str, Any]:
     """The counters a row keeps (a re-capture storm shows in `captures` and `variants`), and the
     host time per replay over the calls since `before` (None when none replayed)."""
     keys = ("warmup_calls", "captures", "variants", "variant_switches", "replays", "eager_calls")
-    keys += ("churn_calls",)
+    keys += ("churn_calls", "graph_breaks")
     out: dict[str, Any] = {k: getattr(stats, k, None) for k in keys}
     out["capture_s"] = getattr(stats, "capture_s", None)
     pool = getattr(stats, "pool_bytes", None)

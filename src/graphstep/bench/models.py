@@ -6,6 +6,7 @@
 | vit_s16 | timm ViT-S/16 | 32 × 3 × 224² | AdamW + cosine, clip 1.0 |
 | bert_base | transformers BERT-base, masked LM | 16 × 128 | AdamW + linear warm-up, clip 1.0 |
 | llama_125m | transformers Llama, 12 × 768, 127M | 4 × 1024 | AdamW + cosine with warm-up, clip 1.0 |
+| mixtral_moe | transformers Mixtral, 4 × 256, 8 experts (top 2), `"eager"` experts + auxiliary loss | 8 × 128 | AdamW + cosine with warm-up, clip 1.0 |
 | ppo_mlp | 3-layer MLP policy + value net | 4 minibatches × 512 per call | Adam + linear decay, clip 0.5 |
 | gcn | torch_geometric 2-layer GCN, 20k nodes | full graph | Adam |
 
@@ -203,6 +204,46 @@ def llama_125m(ctx: BuildContext) -> Workload:
     )  # fmt: skip
 
 
+def mixtral_moe(ctx: BuildContext) -> Workload:
+    """A mixture of experts that no graph can hold whole: transformers' `"eager"` experts dispatch tokens
+    with `nonzero`, the auxiliary loss counts them with `bincount`: graphstep breaks its graphs there."""
+    transformers = need("transformers")
+    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                 max_position_embeddings=256)  # fmt: skip
+    batch, seq = 8, 128
+    if ctx.tiny:
+        shape.update(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_local_experts=4
+        )
+        batch, seq = 2, 16
+    cfg = transformers.MixtralConfig(
+        **shape, use_cache=False, output_router_logits=True, router_aux_loss_coef=0.02,
+        experts_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with ctx.device:
+        model = transformers.MixtralForCausalLM(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **ctx.fused())
+    sched = transformers.get_cosine_schedule_with_warmup(
+        opt, num_warmup_steps=max(1, ctx.n_calls // 10), num_training_steps=ctx.n_calls + SCHEDULE_MARGIN
+    )
+    g = _generator()
+    batches = []
+    for _ in range(N_BATCHES):
+        ids = torch.randint(cfg.vocab_size, (batch, seq), generator=g).to(ctx.device)
+        batches.append((ids, None, ids))
+    return Workload(
+        model=model, optimizer=opt, scheduler=sched, batches=batches,
+        make_step=_hf_step(ctx, opt, list(model.parameters())),
+        details=dict(batch=f"{batch}×{seq} tokens", shape=shape, experts="eager", aux_loss=0.02,
+                     optimizer="AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)",
+                     scheduler="transformers.get_cosine_schedule_with_warmup (10% warm-up)", clip=1.0,
+                     package=f"transformers {version_of(transformers)}"),
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------- reinforcement learning
 
 
@@ -346,6 +387,8 @@ MODEL_CONFIGS = {
                     packages=("transformers",)),
         BenchConfig(name="llama_125m", label="Llama-style decoder (transformers, 127M, batch 4×1024)",
                     build=llama_125m, packages=("transformers",)),
+        BenchConfig(name="mixtral_moe", label="Mixtral-style MoE (transformers, eager experts + aux loss)",
+                    build=mixtral_moe, packages=("transformers",)),
         BenchConfig(name="ppo_mlp", label="PPO update, MLP policy + value (4 minibatches × 512)", build=ppo_mlp),
         BenchConfig(name="gcn", label="GCN, 2 layers (torch_geometric, 20k nodes)", build=gcn,
                     packages=("torch_geometric",)),
