@@ -43,6 +43,7 @@ import torch
 
 from .. import signature as sig
 from ..errors import CaptureError, GraphStepError
+from ..guards.state_guard import SEGMENT_MARK
 from ..profiling import ranged
 from . import segments
 
@@ -438,18 +439,18 @@ def mark(module: torch.nn.Module, name: str) -> None:
     def segment(*args: Any, **kwargs: Any) -> Any:
         return run(forward, args, kwargs, name, module)
 
-    segment._graphstep_segment_of = forward  # type: ignore[attr-defined]
+    setattr(segment, SEGMENT_MARK, forward)
     module.forward = segment
 
 
 def is_marked(module: torch.nn.Module) -> bool:
-    return hasattr(module.__dict__.get("forward"), "_graphstep_segment_of")
+    return hasattr(module.__dict__.get("forward"), SEGMENT_MARK)
 
 
 def unmark(module: torch.nn.Module) -> None:
     forward = module.__dict__.get("forward")
-    if hasattr(forward, "_graphstep_segment_of"):
-        original = forward._graphstep_segment_of
+    if hasattr(forward, SEGMENT_MARK):
+        original = getattr(forward, SEGMENT_MARK)
         if getattr(original, "__self__", None) is module and original.__func__ is type(module).forward:
             del module.__dict__["forward"]
         else:

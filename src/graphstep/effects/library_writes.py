@@ -65,7 +65,6 @@ class LibraryWrites:
                 found.append((first.where, *judged, first.module))
         return found
 
-
     def undo_all(self) -> None:
         """Put back every place a library wrote, judged or not (a failed capture leaves what eager
         would: a metric that rebound its state tensors before the capture stopped gets them back)."""

@@ -198,9 +198,7 @@ class WriteWatch:
             self.roll_back()
             return
         if self.writes and not self.allow:
-            error = PythonWriteError(refusal(self.step_name, self.writes))
-            # Where every write is a library's inside a module, running that module eagerly repeats them.
-            error.modules = [w.module for w in self.writes] if all(w.module for w in self.writes) else []
+            error = _refused(self.step_name, self.writes)
             self.roll_back()
             raise error
         if self.writes:
@@ -220,8 +218,7 @@ class WriteWatch:
             )
 
     def roll_back(self) -> None:
-        """Put back what the refused (or allowed) writes changed, newest first, and every place library
-        code wrote (a failed or refused capture leaves Python state as before the call)."""
+        """Put back what the refused (or allowed) writes changed (newest first), and all library writes."""
         writes, self.writes = self.writes, []
         for write in reversed(writes):
             write.undo()
@@ -369,6 +366,13 @@ class WriteWatch:
         if _asynchronous(frame):  # not the step's work, though it ran during it
             return
         self.writes.append(Write(self._where(frame, line), what, undo, attribute))
+
+
+def _refused(step_name: str, writes: list[Write]) -> PythonWriteError:
+    error = PythonWriteError(refusal(step_name, writes))
+    # Where every write is a library's inside a module, running that module eagerly repeats them.
+    error.modules = [w.module for w in writes] if all(w.module for w in writes) else []
+    return error
 
 
 def refusal(step_name: str, writes: list[Write]) -> str:

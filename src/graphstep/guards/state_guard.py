@@ -233,7 +233,7 @@ class StateGuard:
         """The same reads as `_tensors_hold()`, in C++, when the helper is built (see fastcheck.py)."""
         roots = state.named_modules_roots() + extra
         self.modules = barriers.ModuleWatch(
-            [nm for prefix, root in roots for nm in named_modules(prefix, root)],
+            [nm for prefix, root in roots for nm in named_modules(prefix, root, graphed_only=True)],
             scan=strict,
             skip=reads.module_writes,
         )
@@ -428,7 +428,21 @@ def holds_parts(guard: StateGuard) -> dict[str, Callable[[], Any]]:
     return parts
 
 
-def named_modules(prefix: str, root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """`root` and its submodules, named from `prefix` (`model`, `model.encoder.0`, ...)."""
+def named_modules(
+    prefix: str, root: nn.Module, *, graphed_only: bool = False
+) -> Iterator[tuple[str, nn.Module]]:
+    """`root` and its submodules, named from `prefix` (`model`, `model.encoder.0`, ...). `graphed_only`:
+    without the eager segments among them and their submodules (`graphstep.eager_segment`, graph
+    breaks): their forward runs eagerly on every replay and reads its attributes and mode itself."""
+    segments: list[str] = []
     for name, m in root.named_modules():
+        if graphed_only and any(name == s or name.startswith(s + ".") for s in segments):
+            continue
+        if graphed_only and hasattr(m.__dict__.get("forward"), SEGMENT_MARK):
+            segments.append(name)
+            continue
         yield (f"{prefix}.{name}" if name else prefix), m
+
+
+SEGMENT_MARK = "_graphstep_segment_of"
+"""The attribute the `forward` of a module marked as an eager segment carries (its original forward)."""
