@@ -115,8 +115,11 @@ def train_pair(
     backend: str = "auto",
     mesh_shape: tuple | None = None,
     micro_batches: int = 1,
+    segment: bool = False,
 ) -> dict:
-    """`steps` steps of the GPT under `kind`, eager and through graphstep, compared bitwise."""
+    """`steps` steps of the GPT under `kind`, eager and through graphstep, compared bitwise. `segment`:
+    graphstep's first block runs as an eager segment (its gradients reach DDP's hooks in the graph after
+    its backward)."""
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
     mesh = data_rank = None
@@ -130,6 +133,8 @@ def train_pair(
     eager_step = _step_fn(eager_model, eager_opt, device, micro_batches=micro_batches)
     eager_losses = [eager_step(x, y) for x, y in data]
     model, opt = _build(kind, device, mesh)
+    if segment:
+        graphstep.eager_segment(getattr(model, "module", model).blocks[0])
     step = graphstep.capture(
         _step_fn(model, opt, device, micro_batches=micro_batches),
         model=model,

@@ -53,6 +53,12 @@ def test_ddp_gradient_accumulation_with_no_sync():
         assert report["stats"]["captures"] == 1
 
 
+def test_ddp_with_a_block_as_an_eager_segment_on_the_autograd_path():
+    for rank, report in enumerate(run_ranks(train_pair, 2, kind="ddp", steps=13, segment=True)):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1
+
+
 def test_2d_mesh_fsdp_times_tensor_parallel_on_four_ranks():
     reports = run_ranks(train_pair, 4, kind="fsdp_tp", steps=8, mesh_shape=(2, 2), timeout=180)
     for rank, report in enumerate(reports):

@@ -52,6 +52,12 @@ def test_ddp_gradient_accumulation_with_no_sync():
         assert report["stats"]["captures"] == 1
 
 
+def test_ddp_with_a_block_as_an_eager_segment_reduces_its_gradients_in_the_graph_after_it():
+    for rank, report in enumerate(nccl(train_pair, kind="ddp", steps=30, segment=True)):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1
+
+
 def test_ddp_with_expandable_segments():
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     reports = nccl(train_pair, kind="ddp", steps=20, env=env)
