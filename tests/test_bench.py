@@ -231,7 +231,7 @@ def test_a_crashed_worker_gives_an_error_row_and_the_next_row_runs(tmp_path, mon
 
 ENV_WORKER = """
 import json, os, sys
-from graphstep.demo.bench_measure import new_row
+from graphstep.bench.measure import new_row
 job = json.load(open(sys.argv[1]))
 row = new_row(job["suite"], job["config"], job["method"])
 row.update(phase="done", details={k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
@@ -243,13 +243,13 @@ open(job["row_path"], "w").write(json.dumps(row))
 def test_every_row_compiles_from_a_cold_cache_unless_asked_to_reuse_it(tmp_path, monkeypatch, warm):
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(bench, "worker_command", lambda job: [sys.executable, "-c", ENV_WORKER, str(job)])
+    monkeypatch.setattr(runner, "worker_command", lambda job: [sys.executable, "-c", ENV_WORKER, str(job)])
     code, data = run_cpu(tmp_path / "out", warm_cache=warm)
     assert code == 0 and data["compile_cache"] == ("warm" if warm else "cold")
     envs = [r["details"] for r in data["rows"]]
     assert all(r["compile_cache"] == data["compile_cache"] for r in data["rows"])
-    if warm:  # the environment's caches (none set here): the worker's own defaults
-        assert envs == [{"TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": None}] * 2
+    if warm:  # the environment's caches (torch's defaults, or what this process set), none of the run's
+        assert not any("compile_cache" in str(v) for e in envs for v in e.values()), envs
         return
     inductor = [Path(e["TORCHINDUCTOR_CACHE_DIR"]) for e in envs]
     triton = [Path(e["TRITON_CACHE_DIR"]) for e in envs]

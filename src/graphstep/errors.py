@@ -46,8 +46,6 @@ class HostRandomError(CaptureError):
     a CPU `torch.Generator`): every replay would repeat that one draw."""
 
 
-
-
 class TooManyGraphsError(GraphStepError):
     """More distinct input signatures than `Config.max_graphs` allows."""
 

@@ -149,7 +149,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.rewarmed = False  # the last capture gave way to one more warm-up (`WarmUpAgain`)
+        self.rewarmed: bool | str = False  # the last capture gave way to a warm-up ("compile": to compile)
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
@@ -387,11 +387,12 @@ def _warm_up_again(life: Lifecycle, again: WarmUpAgain, args: tuple, kwargs: dic
     this call is one more warm-up (nothing of the failed capture is left), the next captures.
     Twice in a row without a break: the step's segments change from call to call. Likewise for a
     compiled frame that would have compiled during the capture (see `backends/compiled.py`)."""
-    if isinstance(again, CompileAtCaptureError):  # a compiled frame would have compiled
-        compiled.gave_way(life.ctx.name, again, repeated=life.rewarmed)
+    compiling = isinstance(again, CompileAtCaptureError)  # a compiled frame would have compiled
+    if compiling:
+        compiled.gave_way(life.ctx.name, again, repeated=life.rewarmed == "compile")
     elif not again.after_break and life.rewarmed:
         raise CaptureError(str(again)) from None
-    life.rewarmed = True
+    life.rewarmed = "compile" if compiling else True
     life.warmups = min(life.warmups, life.ctx.warmups_needed - 1)
     return life.warm_up(args, kwargs)
 

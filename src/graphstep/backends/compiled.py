@@ -150,8 +150,9 @@ def _message(text: str) -> str:
         if reasons
         else "the warm-ups never ran this code, or ran it with other values"
     )
+    where = f" ({where})" if where else ""  # torch < 2.8 names neither the frame nor the guards
     return (
-        f"torch.compile would compile during the capture ({where}): {because}\n"
+        f"torch.compile would compile during the capture{where}: {because}\n"
         "A CUDA graph cannot record a compilation (inductor runs work of its own on the capturing stream), "
         "so the capture stopped before it; nothing ran."
     )
