@@ -229,6 +229,43 @@ def test_a_crashed_worker_gives_an_error_row_and_the_next_row_runs(tmp_path, mon
     )
 
 
+ENV_WORKER = """
+import json, os, sys
+from graphstep.bench.measure import new_row
+job = json.load(open(sys.argv[1]))
+row = new_row(job["suite"], job["config"], job["method"])
+row.update(phase="done", details={k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
+open(job["row_path"], "w").write(json.dumps(row))
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_every_row_compiles_from_a_cold_cache_unless_asked_to_reuse_it(tmp_path, monkeypatch, warm):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runner, "worker_command", lambda job: [sys.executable, "-c", ENV_WORKER, str(job)])
+    code, data = run_cpu(tmp_path / "out", warm_cache=warm)
+    assert code == 0 and data["compile_cache"] == ("warm" if warm else "cold")
+    envs = [r["details"] for r in data["rows"]]
+    assert all(r["compile_cache"] == data["compile_cache"] for r in data["rows"])
+    if warm:  # the environment's caches (torch's defaults, or what this process set), none of the run's
+        assert not any("compile_cache" in str(v) for e in envs for v in e.values()), envs
+        return
+    inductor = [Path(e["TORCHINDUCTOR_CACHE_DIR"]) for e in envs]
+    triton = [Path(e["TRITON_CACHE_DIR"]) for e in envs]
+    assert len(set(inductor + triton)) == 4  # fresh for every row, none shared
+    assert not any(p.exists() for p in inductor + triton)  # removed after the row
+    md = next((tmp_path / "out").glob("*.md")).read_text()
+    assert "Every row compiled from a cold cache" in md
+
+
+def test_the_command_line_reuses_the_compile_cache_only_when_asked():
+    from graphstep.cli import _parser
+
+    assert _parser().parse_args(["bench"]).warm_cache is False
+    assert _parser().parse_args(["bench", "--warm-cache"]).warm_cache is True
+
+
 def test_the_suite_must_have_the_configs_and_methods(tmp_path, capsys):
     assert runner.run_bench(suite="models", configs=["tiny"], device="cpu", out_dir=tmp_path) == 2
     assert runner.run_bench(suite="models", methods=["manual_graph"], device="cpu", out_dir=tmp_path) == 2

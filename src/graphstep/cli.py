@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_bench(
         suite=args.suite, configs=args.configs, methods=args.methods, out_dir=args.out, quick=args.quick,
         steps=args.steps, budget_s=args.budget, row_timeout_s=args.row_timeout, isolate=not args.in_process,
-        command=command,
+        command=command, warm_cache=args.warm_cache,
     )  # fmt: skip
 
 
@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         default=ROW_TIMEOUT_S,
         metavar="SECONDS",
         help="kill a row's process after this many seconds (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="reuse the environment's inductor and triton compile caches (default: each row's process "
+        "compiles from fresh, empty cache directories, as on a new machine); the result says which",
     )
     bench.add_argument(
         "--in-process",

@@ -20,6 +20,12 @@ class WarmUpAgain(CaptureError):
         self.after_break = after_break
 
 
+class CompileAtCaptureError(WarmUpAgain):
+    """A `torch.compile`d part of the step would compile during the capture: dynamo's guards on it
+    failed, or it never ran in a warm-up. A graph cannot record a compilation; nothing ran. The first
+    time, that call runs as one more warm-up instead (which compiles it); raised when that did not help."""
+
+
 class HostSyncError(CaptureError):
     """The step synchronises with the host (`.item()`, `.cpu()`, `print(tensor)`, ...)."""
 

@@ -26,12 +26,12 @@ import warnings
 from typing import Any
 
 from . import signature as sig
-from .backends import library_segments, segments
+from .backends import compiled, library_segments, segments
 from .backends.buffers import InputBuffers
 from .capturing import Variant, capture_variant
 from .diagnostics import log, stale_message
 from .distributed.ranks import Agreement, Phase
-from .errors import CaptureError, StaleGraphError, WarmUpAgain
+from .errors import CaptureError, CompileAtCaptureError, StaleGraphError, WarmUpAgain
 from .guards.churn import Probe, VariantChurn
 from .guards.reads import ReadWatch
 from .guards.state_guard import trainable
@@ -78,7 +78,7 @@ def _plan(life: Lifecycle) -> Plan:
         # Capture only while requires_grad is as at the last warm-up: a layer unfrozen since
         # has optimizer state still to be created, which a capture would bake in.
         ready = life.warmups >= ctx.warmups_needed and trainable(ctx.state) == life.trainable
-        if not ready:
+        if not ready or compiled.warm_up_again(ctx.name, life.compiled, life.warmups, ctx.warmups_needed):
             return Plan(Phase.EAGER, "warm")
         if life.churn.waits_before_capture(life.replays):
             return Plan(Phase.EAGER, "churn", life.churn.texts)
@@ -149,10 +149,11 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.rewarmed = False  # the last capture gave way to one more warm-up (`WarmUpAgain`)
+        self.rewarmed: bool | str = False  # the last capture gave way to a warm-up ("compile": to compile)
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
+        self.compiled = compiled.NOTHING  # what torch.compile compiled in the last warm-up
         self.guarded = ctx.backend.static_buffers and ctx.config.check != "off"  # its graphs have guards
 
     def call(self, leaves: list, args: tuple, kwargs: dict) -> Any:
@@ -263,7 +264,9 @@ class Lifecycle:
             if probing
             else contextlib.nullcontext() as reads,
         ):
+            count = compiled.CompileCount()
             outputs = ctx.backend.warmup(ctx.fn, args, kwargs, in_pool=ctx.pool_is_free())
+            self.compiled = count.since()
         if probing:
             self.churn.probe = Probe.of_run(reads.reads, ctx.state, ctx.fn)
         self.segment_results = watch.seen
@@ -382,10 +385,14 @@ class Lifecycle:
 def _warm_up_again(life: Lifecycle, again: WarmUpAgain, args: tuple, kwargs: dict) -> Any:
     """A graph break was just made, or the step called eager segments the last warm-up did not:
     this call is one more warm-up (nothing of the failed capture is left), the next captures.
-    Twice in a row without a break: the step's segments change from call to call."""
-    if not again.after_break and life.rewarmed:
+    Twice in a row without a break: the step's segments change from call to call. Likewise for a
+    compiled frame that would have compiled during the capture (see `backends/compiled.py`)."""
+    compiling = isinstance(again, CompileAtCaptureError)  # a compiled frame would have compiled
+    if compiling:
+        compiled.gave_way(life.ctx.name, again, repeated=life.rewarmed == "compile")
+    elif not again.after_break and life.rewarmed:
         raise CaptureError(str(again)) from None
-    life.rewarmed = True
+    life.rewarmed = "compile" if compiling else True
     life.warmups = min(life.warmups, life.ctx.warmups_needed - 1)
     return life.warm_up(args, kwargs)
 

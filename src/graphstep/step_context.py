@@ -19,7 +19,7 @@ from .config import Config
 from .diagnostics import StepStats
 from .distributed import Ranks
 from .errors import GraphStepError
-from .guards import bindings
+from .guards import barriers, bindings
 from .optim import OptimizerAdapter
 from .optim.modes import OptimizerModes
 from .state import TrainingState
@@ -82,6 +82,9 @@ class StepContext:
             host_tensors=bool(backend.cuda_devices),
         )
         if backend.static_buffers:  # graphs: capturable optimizers, lr as a tensor
+            # The write barriers the guards use, in place before the first warm-up: a torch.compile'd
+            # model compiled then sees nn.Module's hooks as the capture will (else it recompiles).
+            barriers.install()
             optim.prepare(getattr(backend, "device", "cpu"))
             if config.optimizer_mode == "eager":
                 modes.move_to_eager(state.optimizers, 'Config(optimizer_mode="eager")')

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .base import CaptureBody, PartsRecording, Recording, empty_like_strided
+from .compiled import no_compiling
 from .libraries import as_captured
 from .segments import Splitter
 
@@ -146,7 +147,8 @@ class CudaGraphBackend:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            with as_captured(), self._on_capture_stream():
+            # no_compiling: a torch.compile'd frame that would compile here raises before it does.
+            with as_captured(), no_compiling(), self._on_capture_stream():
                 begin_part()
                 try:
                     outputs = body(Splitter(end_part, begin_part, executes=False), *args, **kwargs)

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 
 from ..diagnostics import host_sync_of
 from .base import CaptureBody, HostBackend, PartsRecording
+from .compiled import MODES_KEEP_COMPILED, no_compiling
 from .segments import Splitter
 from .undo import UndoLog
 
@@ -34,6 +35,13 @@ class _Recorder(UndoLog):
     undo log."""
 
     stands_in_for_a_capture = True  # what `optim.live` asks a dispatch mode
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch >= 2.9: a torch.compile'd frame runs its compiled code under the recorder, which records
+        the operations that code runs (backend "eager" or "aot_eager"; inductor's CPU kernels are not
+        operations), as a graph records the kernels; older torch runs such a frame uncompiled."""
+        return True
 
     def __init__(self) -> None:
         super().__init__()
@@ -116,8 +124,14 @@ class RecordingBackend(HostBackend):
         recorder = _Recorder()
         try:
             # Libraries that take another path while a CUDA stream captures (transformers skips
-            # its host-side checks) take it here too, as they would under a real capture.
-            with recorder, _pretend_capturing():
+            # its host-side checks) take it here too, as they would under a real capture. A compiled
+            # frame that would compile raises, as on CUDA (under the recorder, dynamo would otherwise
+            # quietly run it uncompiled).
+            with (
+                no_compiling() if MODES_KEEP_COMPILED else contextlib.nullcontext(),
+                recorder,
+                _pretend_capturing(),
+            ):
                 outputs = body(
                     Splitter(recorder.end_part, recorder.begin_part, executes=True), *args, **kwargs
                 )

@@ -246,6 +246,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if meta.get("isolate")
         else "All rows ran in one process (--in-process): memory peaks may include earlier rows' leftovers."
     )
+    cache = {
+        "cold": " Every row compiled from a cold cache (fresh inductor and triton cache directories).",
+        "warm": " Rows reused the environment's compile caches (--warm-cache).",
+    }.get(meta.get("compile_cache"), "")
+    isolation += cache
     counts = meta.get("counts") or {}
     parts = [
         f"# graphstep bench, suite {meta.get('suite', 'gpt')}: {meta['gpu_name']}, {meta['date']}"

@@ -7,7 +7,9 @@ GCN; see `models.py`). Methods: see `measure.py`.
 Each (config, method) row runs in a fresh process (`worker.py`): its memory peak is its own,
 and a crash or a hang costs that row only. A row that fails records its error's first line; one
 whose package is missing says so; one that runs past `--row-timeout` is killed and keeps the phases
-it finished. The gpt suite runs config by config. The models suite runs by priority, so that a
+it finished. Every isolated row compiles from a cold cache: its process gets fresh, empty inductor and
+triton cache directories, as on a new machine (`warm_cache=True`, `--warm-cache`: the environment's,
+shared by the rows). The gpt suite runs config by config. The models suite runs by priority, so that a
 `--budget` (seconds for the whole run) cuts the least important rows: first eager and graphstep on
 every config, then graphstep with a compiled model and reduce-overhead, then torch.compile. The
 JSON and Markdown files are rewritten after every row, the chart at the end
@@ -23,6 +25,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,12 +89,14 @@ def run_bench(
     tiny: bool = False,
     counts: Counts | None = None,
     graphstep_config: dict[str, Any] | None = None,
+    warm_cache: bool = False,
 ) -> int:
     """Benchmark `methods` on `configs` of `suite`, write the result files, print the table.
 
     Returns 0 when every row ran or was skipped (a package missing, the budget spent), 1 when some
     failed (their rows carry the error), 2 without CUDA or for names the suite does not have.
     `device`, `tiny`, `counts` and `graphstep_config` are for CPU tests of this machinery.
+    `warm_cache`: rows use the environment's compile caches instead of a fresh one each.
     """
     if device == "cuda" and not torch.cuda.is_available():
         print(
@@ -140,7 +145,7 @@ def run_bench(
         command=command, counts={**vars(next(iter(row_counts.values()))), "timed_steps": "per config"},
         configs={c: dict(label=table[c].label, timed_steps=row_counts[c].timed_steps, parameters=None, details=None)
                  for c in configs},
-        measurement=MEASUREMENT,
+        measurement=MEASUREMENT, compile_cache=compile_cache(isolate, warm_cache),
     )  # fmt: skip
 
     rows: list[dict[str, Any]] = []
@@ -163,6 +168,7 @@ def run_bench(
                 job = dict(
                     suite=suite, config=config, method=method, counts=vars(row_counts[config]), device=device,
                     tiny=tiny, graphstep_config=graphstep_config, row_path=str(Path(tmp) / f"row{i}.json"),
+                    compile_cache=meta["compile_cache"],
                 )  # fmt: skip
                 timeout = row_timeout_s if left is None else min(row_timeout_s, left)
                 try:
@@ -173,6 +179,7 @@ def run_bench(
                     unusable.setdefault(config, row["skipped"])
                 if timeout < row_timeout_s and (row.get("error") or "").startswith("timed out"):
                     row.update(skipped=f"cut short by the --budget: {row['error']}", error=None)
+            row["compile_cache"] = meta["compile_cache"]
             rows.append(row)
             _remember_config(meta, row)
             add_ratios(rows)
@@ -235,6 +242,12 @@ def _run_isolated(job: dict[str, Any], timeout: float, tmp: Path, i: int) -> dic
     src = str(Path(graphstep.__file__).resolve().parents[1])  # the graphstep this process runs
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    cache = tmp / f"compile_cache{i}"
+    if job.get("compile_cache") == "cold":  # a fresh machine's: inductor and triton compile everything
+        env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"] = (
+            str(cache / "inductor"),
+            str(cache / "triton"),
+        )
     cmd = worker_command(job_path)
     t0 = time.monotonic()
     timed_out = False
@@ -249,6 +262,7 @@ def _run_isolated(job: dict[str, Any], timeout: float, tmp: Path, i: int) -> dic
             timed_out = True
         finally:
             _kill_group(proc)
+            shutil.rmtree(cache, ignore_errors=True)
     elapsed = time.monotonic() - t0
     tail = _tail(log_path)
     row_path = Path(job["row_path"])
@@ -267,6 +281,12 @@ def _run_isolated(job: dict[str, Any], timeout: float, tmp: Path, i: int) -> dic
     row["worker_s"] = elapsed
     row["log_tail"] = tail
     return row
+
+
+def compile_cache(isolate: bool, warm_cache: bool) -> str:
+    """Which compile cache the rows use: "cold" (a fresh, empty one per row's process), "warm" (the
+    environment's, shared with earlier rows and runs) or "in-process" (one process's, shared by its rows)."""
+    return "warm" if warm_cache else "cold" if isolate else "in-process"
 
 
 def worker_command(job_path: Path) -> list[str]:

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from ..backends.segments import Splitter
 from ..diagnostics import host_sync_ops, log
 from ..errors import HostRandomError
+from ..guards.compiling import unseen
 from ..guards.reads import is_user_file
 from . import draw_advice
 from .draw_advice import Draw
@@ -121,7 +122,7 @@ class HostRandomWatch:
         self._previous = sys.getprofile()
         if self._previous is None or callable(self._previous):  # a C profiler (cProfile) is left alone
             self._chain = self._previous
-            sys.setprofile(self._profile)
+            sys.setprofile(unseen(self._profile))  # called inside compiled models too: not to be compiled
             self._profiling = True
         if numpy is not None:
             self._wrap_numpy(numpy)
@@ -378,6 +379,10 @@ class _CoinWatch(TorchDispatchMode):
         self.coins: dict[int, tuple[torch.Tensor, Draw]] = {}
         """Tensors of at most one element drawn at random, or computed from such, by id."""
         self.syncs = host_sync_ops()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # torch >= 2.9: compiled frames stay compiled under it
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

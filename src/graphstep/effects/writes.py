@@ -51,6 +51,7 @@ import torch
 
 from ..backends import segments
 from ..errors import PythonWriteError
+from ..guards.compiling import unseen
 from . import targets, trusted, values
 from .library_writes import LibraryWrites
 
@@ -101,19 +102,20 @@ class _Pending:
 class _Local:
     """The local trace function of one user frame: the watch's, then the one installed before."""
 
-    __slots__ = ("inner", "inner_opcodes", "watch")
+    __slots__ = ("hidden", "inner", "inner_opcodes", "watch")
 
     def __init__(self, watch: WriteWatch, inner: Callable | None, inner_opcodes: bool):
         self.watch, self.inner, self.inner_opcodes = watch, inner, inner_opcodes
+        self.hidden = unseen(self)  # what the frame calls: inside a compiled model, not to be compiled
 
-    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> _Local:
+    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> Callable:
         if self.inner is not None and (event != "opcode" or self.inner_opcodes):
             self.inner = self.inner(frame, event, arg)
         if event == "opcode":
             self.watch.opcode(frame)
         elif event in ("return", "exception"):
             self.watch.finish(frame)
-        return self
+        return self.hidden
 
 
 class WriteWatch:
@@ -177,7 +179,7 @@ class WriteWatch:
         asked = here.f_trace_opcodes
         here.f_trace_opcodes = True
         here.f_trace_opcodes = asked
-        sys.settrace(self._trace)
+        sys.settrace(unseen(self._trace))  # called inside compiled models too: not to be compiled
         return self
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
@@ -237,7 +239,7 @@ class WriteWatch:
         if not self._code.is_judged(frame) or not targets.stores(code):
             return inner
         inner_opcodes = inner is not None and frame.f_trace_opcodes
-        local = _Local(self, inner, inner_opcodes)
+        local = _Local(self, inner, inner_opcodes).hidden
         # f_trace first: Python 3.12 turns opcode events on only for a frame that has its tracer.
         frame.f_trace = local
         frame.f_trace_opcodes = True

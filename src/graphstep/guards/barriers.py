@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compiling import compiling
+
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
 """The value of an attribute that does not exist."""
 
@@ -52,11 +54,20 @@ _internal_names: frozenset[str] = frozenset()
 
 
 def _bump_structure_epoch(*_: Any) -> None:
+    # A torch.compile'd model may register modules while dynamo traces it (transformers slices
+    # its ModuleList of layers: a new ModuleList every forward). Traced, this hook would make
+    # dynamo guard on the counter's value, which every call advances: a recompile on every call,
+    # the capture included (where inductor cannot run). Those modules are the traced code's own
+    # temporaries; registrations a replay depends on happen in eager code between calls.
+    if compiling():
+        return
     global structure_epoch
     structure_epoch = next(_epoch)
 
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:
+    if compiling():  # traced, the bookkeeping would make dynamo guard on graphstep's tables
+        return _original_setattr(self, name, value)
     dirty = _watchers.get(id(self))
     if dirty is None and not _listeners:
         return _original_setattr(self, name, value)

@@ -44,6 +44,7 @@ from torch import nn
 
 from . import barriers, contents
 from .barriers import MISSING, cell_value
+from .compiling import unseen
 from .user_code import is_user_file
 
 log = logging.getLogger("graphstep")
@@ -265,7 +266,7 @@ class ReadWatch:
         for _, value in self.reads.arguments:
             contents.snapshot(value, self.reads.before)
         barriers.add_listener(self._on_write)
-        sys.setprofile(self._profile)
+        sys.setprofile(unseen(self._profile))  # called inside compiled models too: not to be compiled
         return self
 
     def __exit__(self, *exc: object) -> None:

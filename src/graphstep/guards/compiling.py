@@ -1,0 +1,31 @@
+"""What torch.compile must not see of graphstep, and whether it is looking.
+
+graphstep's hooks run inside a compiled model's frames: nn.Module's registration hooks and attribute
+barrier (`barriers.py`), and the profile and trace functions that watch a step's Python (`reads.py`,
+`effects/`). dynamo compiles what it sees. A hook it traces becomes part of the model's guards: a
+recompile whenever graphstep's own state changes, at a capture too, where inductor cannot run. A
+profile function the interpreter calls inside a compiled region is compiled as a frame of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def compiling() -> bool:
+    """True while dynamo traces the caller (it folds the call to a constant); False when it runs."""
+    return torch.compiler.is_compiling()
+
+
+def unseen(hook: F) -> F:
+    """`hook` (a profile or trace function) run with torch.compile off, so that dynamo neither compiles
+    it nor anything it calls. Unchanged while no model was compiled (dynamo is not even imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    return torch.compiler.disable(hook)
