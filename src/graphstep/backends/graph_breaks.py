@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..diagnostics import is_host_sync, where
+from ..errors import WarmUpAgain
 from . import autograd_segments, segments
 
 log = logging.getLogger("graphstep")
@@ -68,7 +69,7 @@ class GraphBreaks:
         """The capture failed with `error`: make a break around its failing line and say so (True),
         or leave the error as it is (False: breaks off, not an operation a graph cannot record, or
         no module or known function around the line)."""
-        if self.mode != "auto":
+        if self.mode != "auto" or isinstance(error, WarmUpAgain):  # (a compile at capture, say)
             return False
         written = [m for m in getattr(error, "modules", ()) if not autograd_segments.is_marked(m)]
         if written:  # a library's writes inside a module's forward: run it eagerly, it repeats them
