@@ -17,6 +17,7 @@ when it cannot; nothing optional is imported at module level. `ctx.tiny` gives s
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -180,9 +181,17 @@ def llama_125m(ctx: BuildContext) -> Workload:
                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024)  # fmt: skip
         batch, seq = 4, 1024
     cfg = transformers.LlamaConfig(**shape, use_cache=False)  # training: no KV cache
+    return _causal_lm(ctx, transformers, transformers.LlamaForCausalLM, cfg, batch, seq,
+                      dict(batch=f"{batch}×{seq} tokens, no padding", shape=shape))  # fmt: skip
+
+
+def _causal_lm(ctx: BuildContext, transformers: Any, model_class: Any, cfg: Any, batch: int, seq: int,
+               details: dict) -> Workload:  # fmt: skip
+    """A transformers causal LM on packed random tokens (no padding mask; labels shift inside), AdamW +
+    cosine with warm-up, clip 1.0."""
     torch.manual_seed(0)
     with ctx.device:
-        model = transformers.LlamaForCausalLM(cfg)
+        model = model_class(cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **ctx.fused())
     sched = transformers.get_cosine_schedule_with_warmup(
@@ -192,12 +201,11 @@ def llama_125m(ctx: BuildContext) -> Workload:
     batches = []
     for _ in range(N_BATCHES):
         ids = torch.randint(cfg.vocab_size, (batch, seq), generator=g).to(ctx.device)
-        batches.append((ids, None, ids))  # packed sequences: no padding mask; labels shift inside
+        batches.append((ids, None, ids))
     return Workload(
         model=model, optimizer=opt, scheduler=sched, batches=batches,
         make_step=_hf_step(ctx, opt, list(model.parameters())),
-        details=dict(batch=f"{batch}×{seq} tokens, no padding", shape=shape,
-                     optimizer="AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)",
+        details=dict(**details, optimizer="AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)",
                      scheduler="transformers.get_cosine_schedule_with_warmup (10% warm-up)", clip=1.0,
                      attention=getattr(model.config, "_attn_implementation", None),
                      package=f"transformers {version_of(transformers)}"),
@@ -221,27 +229,8 @@ def mixtral_moe(ctx: BuildContext) -> Workload:
         **shape, use_cache=False, output_router_logits=True, router_aux_loss_coef=0.02,
         experts_implementation="eager",
     )  # fmt: skip
-    torch.manual_seed(0)
-    with ctx.device:
-        model = transformers.MixtralForCausalLM(cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **ctx.fused())
-    sched = transformers.get_cosine_schedule_with_warmup(
-        opt, num_warmup_steps=max(1, ctx.n_calls // 10), num_training_steps=ctx.n_calls + SCHEDULE_MARGIN
-    )
-    g = _generator()
-    batches = []
-    for _ in range(N_BATCHES):
-        ids = torch.randint(cfg.vocab_size, (batch, seq), generator=g).to(ctx.device)
-        batches.append((ids, None, ids))
-    return Workload(
-        model=model, optimizer=opt, scheduler=sched, batches=batches,
-        make_step=_hf_step(ctx, opt, list(model.parameters())),
-        details=dict(batch=f"{batch}×{seq} tokens", shape=shape, experts="eager", aux_loss=0.02,
-                     optimizer="AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)",
-                     scheduler="transformers.get_cosine_schedule_with_warmup (10% warm-up)", clip=1.0,
-                     package=f"transformers {version_of(transformers)}"),
-    )  # fmt: skip
+    return _causal_lm(ctx, transformers, transformers.MixtralForCausalLM, cfg, batch, seq,
+                      dict(batch=f"{batch}×{seq} tokens", shape=shape, experts="eager", aux_loss=0.02))  # fmt: skip
 
 
 # ---------------------------------------------------------------- reinforcement learning
