@@ -3,9 +3,40 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from cpu_common import make_twins
 from graphstep.guards import fastcheck, read_guard
+
+# Without CUDA the GPU tests are not collected: importing their files imports the frameworks and
+# packages they train with (Lightning, transformers, pytorch-optimizer, matplotlib), which was most of
+# the CPU run's collection and made every capture's census of live objects walk twice as many.
+collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/test_*.py"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if collect_ignore_glob:
+        terminalreporter.write_line("tests/gpu: not collected, no CUDA GPU here")
+
+
+# The files whose tests import a framework or a large package (the config libraries, pytorch-optimizer
+# and with it transformers, matplotlib, Lightning) run last, in this order: an import stays for the rest
+# of the process, and every capture after it costs more (the write watch takes a census of every live
+# object). Their modules import none of it when collected. The order of the others is kept.
+LAST = (
+    "test_guards_configs",
+    "test_optim_python_state",
+    "test_optimizer_table",
+    "test_bench",
+    "test_integrations_huggingface",
+    "test_integrations_lightning",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i + 1 for i, name in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, 0))  # stable: the others keep their order
+
 
 # The guards' tests run twice: with the C++ helper (where it is built) and on the pure-Python path
 # (the fallback where it is not). Both in the one test session, so that the parallel workers share

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -160,6 +161,12 @@ def _module(name: str):
         return None
 
 
+def _installed(name: str) -> bool:
+    """Whether `name` can be found, without importing it: listing rows imports no package (pytest
+    collects them in every test process); a row imports its package when it runs."""
+    return importlib.util.find_spec(name) is not None
+
+
 def torch_optimizers() -> Iterator[tuple[str, Maker]]:
     for name in (
         "SGD",
@@ -201,32 +208,38 @@ SAMPLE = frozenset(
 
 
 def pytorch_optimizer_optimizers(full: bool = True) -> Iterator[tuple[str, Maker]]:
+    if not full:  # the names of SAMPLE, the package imported when a row runs
+        if _installed("pytorch_optimizer"):
+            for name in sorted(SAMPLE):
+                yield (
+                    name,
+                    lambda m, name=name: _load("pytorch_optimizer").load_optimizer(name)(m.parameters()),
+                )
+        return
     package = _module("pytorch_optimizer")
     if package is None:
         return
     for name in package.get_supported_optimizers():
-        if not full and name not in SAMPLE:
-            continue
         cls = package.load_optimizer(name)
         yield name, lambda m, cls=cls: cls(m.parameters())
 
 
 def schedulefree_optimizers() -> Iterator[tuple[str, Maker]]:
-    package = _module("schedulefree")
-    if package is None:
+    if not _installed("schedulefree"):
         return
     for name in ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree"):
-        cls = getattr(package, name)
-        yield name, lambda m, cls=cls: cls(m.parameters(), lr=1e-3)
+        yield name, lambda m, name=name: getattr(_load("schedulefree"), name)(m.parameters(), lr=1e-3)
 
 
 def small_packages() -> Iterator[tuple[str, str, Maker]]:
-    prodigy = _module("prodigyopt")
-    if prodigy is not None:
-        yield "prodigyopt", "Prodigy", lambda m: prodigy.Prodigy(m.parameters())
-    lion = _module("lion_pytorch")
-    if lion is not None:
-        yield "lion-pytorch", "Lion", lambda m: lion.Lion(m.parameters())
+    if _installed("prodigyopt"):
+        yield "prodigyopt", "Prodigy", lambda m: _load("prodigyopt").Prodigy(m.parameters())
+    if _installed("lion_pytorch"):
+        yield "lion-pytorch", "Lion", lambda m: _load("lion_pytorch").Lion(m.parameters())
+
+
+def _load(name: str):
+    return importlib.import_module(name)
 
 
 def everything(full: bool = True) -> Iterator[tuple[str, str, Maker]]:

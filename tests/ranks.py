@@ -8,10 +8,10 @@ unless listed in `exits` (its result is then `{"exitcode": code}`); ranks that h
 within `timeout` seconds are killed and the test fails as hung, so no test can hang the suite.
 
 The processes are forked from a server process that has imported torch once (multiprocessing's
-"forkserver" with torch preloaded): a rank starts in a fraction of a second instead of importing
-torch afresh, which made process start-up most of the distributed tests' time. Nothing else is
-preloaded (importing graphstep reads the environment), and each rank applies the test's `env`
-itself, first thing: a forked rank inherits the server's environment, not the test's.
+"forkserver", tests/preload.py): a rank starts in a fraction of a second instead of importing
+torch afresh, which made process start-up most of the distributed tests' time. Nothing of graphstep
+is preloaded (importing it reads the environment), and each rank applies the test's `env` itself,
+first thing: a forked rank inherits the server's environment, not the test's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
+import preload
 
 
 def _free_port() -> int:
@@ -62,12 +62,6 @@ def _main(
         out.put((rank, "error", traceback.format_exc()))
 
 
-def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
-
-
 def run_ranks(
     worker: Callable,
     size: int,
@@ -79,7 +73,7 @@ def run_ranks(
     exits: tuple[int, ...] = (),
     **kwargs: Any,
 ) -> list[Any]:
-    ctx = _context()
+    ctx = preload.context()
     out = ctx.Queue()
     port = _free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}

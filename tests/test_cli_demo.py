@@ -16,10 +16,10 @@ from graphstep.demo.train import sparkline
 
 
 def test_demo_on_cpu_trains_bitwise_equal_to_eager(capsys):
-    assert main(["demo", "--steps", "12", "--device", "cpu"]) == 0
+    assert main(["demo", "--steps", "8", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "graphstep runs its eager backend" in out
-    assert "losses yes (12 steps)" in out
+    assert "losses yes (8 steps)" in out
     assert "final parameters yes" in out
     assert "graphstep (eager backend): 3 warm-up calls" in out
     # The demo turns deterministic algorithms on for its runs only: the setting is process-wide.
@@ -51,7 +51,7 @@ def test_demo_detects_a_divergence_and_exits_1(monkeypatch, capsys):
         return _NudgedStep(real_capture(fn, **kwargs), kwargs["model"], after=6)
 
     monkeypatch.setattr(graphstep, "capture", nudged_capture)
-    assert main(["demo", "--steps", "12", "--device", "cpu"]) == 1
+    assert main(["demo", "--steps", "8", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "losses NO" in out
     assert "losses first differ at step 7" in out  # the first call after the weights were scaled

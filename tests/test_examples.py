@@ -2,15 +2,14 @@
 
 Each runs in a process of its own, as `python examples/X.py ...` with its output and exit code; the
 DDP/FSDP2 example under torchrun with two gloo ranks. The single-process examples are forked from a
-server that has imported torch and the frameworks once (multiprocessing's "forkserver", preloaded),
-instead of each importing them afresh: the imports were most of these tests' time. Examples whose
-framework is not installed are skipped, saying which.
+server that has imported torch once (multiprocessing's "forkserver", tests/preload.py), instead of
+each importing it afresh; each imports its framework itself. Examples whose framework is not installed
+are skipped, saying which.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import os
 import runpy
 import subprocess
@@ -18,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import preload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -50,9 +51,6 @@ CASES = {
 }
 
 
-PRELOADED = ["torch", "transformers", "pytorch_lightning", "accelerate", "torchvision"]
-
-
 def _run_script(path: str, argv: list[str], log: str) -> None:
     """In the forked process: run `path` as `__main__` with `argv`, its output (fds 1 and 2) in `log`."""
     with open(log, "w") as out:
@@ -78,9 +76,7 @@ def _run_script(path: str, argv: list[str], log: str) -> None:
 
 
 def _run_forked(script: Path, argv: list[str], log: Path) -> tuple[int, str]:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOADED)
-    proc = ctx.Process(target=_run_script, args=(str(script), argv, str(log)))
+    proc = preload.context().Process(target=_run_script, args=(str(script), argv, str(log)))
     proc.start()
     proc.join(timeout=420)
     if proc.is_alive():

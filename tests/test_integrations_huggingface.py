@@ -15,15 +15,20 @@ import torch
 
 import graphstep
 
-transformers = pytest.importorskip(
-    "transformers", reason="needs transformers (pip install graphstep[huggingface])"
-)
-from graphstep.integrations.huggingface import GraphStepTrainer, capture_accelerated  # noqa: E402
-
 STEPS = 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def transformers():
+    """transformers, imported by the tests that use it: collecting the suite imports no framework."""
+    return pytest.importorskip(
+        "transformers", reason="needs transformers (pip install graphstep[huggingface])"
+    )
+
+
 def tiny_bert() -> torch.nn.Module:
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=100,
@@ -53,6 +58,8 @@ def examples(n: int = 40, *, mask: bool = False) -> list[dict[str, torch.Tensor]
 
 
 def train(trainer_class: type, *, mask: bool = False, **kwargs):
+    import transformers
+
     model = tiny_bert()
     args = transformers.TrainingArguments(
         output_dir=tempfile.mkdtemp(),
@@ -82,8 +89,10 @@ def train(trainer_class: type, *, mask: bool = False, **kwargs):
 
 
 @pytest.mark.parametrize(("backend", "mask"), [("recording", False), ("recording", True), ("eager", False)])
-def test_graphstep_trainer_trains_like_the_trainer(backend, mask):
+def test_graphstep_trainer_trains_like_the_trainer(transformers, backend, mask):
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    from graphstep.integrations.huggingface import GraphStepTrainer
+
     _, plain_model, plain_logs = train(transformers.Trainer, mask=mask)
     config = graphstep.Config(backend=backend)
     trainer, model, logs = train(GraphStepTrainer, mask=mask, graphstep_config=config)
@@ -122,6 +131,8 @@ def train_accelerated(accelerate, data: list, captured: bool) -> tuple[list[torc
 
     if not captured:
         return [step(x, y) for x, y in data], model
+    from graphstep.integrations.huggingface import capture_accelerated
+
     config = graphstep.Config(backend="recording")
     with capture_accelerated(accelerator, step, model=model, optimizer=opt, config=config) as graphed:
         losses = [graphed(x, y) for x, y in data]

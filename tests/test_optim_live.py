@@ -31,7 +31,9 @@ from graphstep.errors import GraphStepError, UnsupportedOptimizerError
 from graphstep.optim import OptimizerAdapter, baked_hyperparameters, make_capturable, plan, table
 
 RECORDING = graphstep.Config(backend="recording")
-N_STEPS = 30
+N_STEPS = 16
+"""3 warm-ups, the capture and 12 replays, through which every schedule below changes the values it
+drives (StepLR at calls 5, 10 and 15, the warm-up's peak at 8, OneCycleLR's and the cosine's every call)."""
 
 # Non-zero numbers for every hyperparameter, so no `!= 0` branch is skipped.
 OPTIONS = {
