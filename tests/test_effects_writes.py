@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -296,6 +297,39 @@ def test_writes_to_objects_the_step_makes_are_fine():
         return built
 
     equal_over_steps(TinyNet, building)
+
+
+@pytest.mark.parametrize("path", ["helper", "python"])
+def test_the_census_knows_what_existed_holds_it_and_leaves_tensors_free(path, monkeypatch):
+    """What decides whether a write is refused: the census taken as a capture begins, in C++ or Python."""
+    from graphstep.effects.values import Census
+    from graphstep.guards import fastcheck
+
+    monkeypatch.setenv("GRAPHSTEP_FASTCHECK", "1" if path == "helper" else "0")
+    fastcheck.helper.cache_clear()
+    if path == "helper" and getattr(fastcheck.helper(), "Census", None) is None:
+        pytest.skip("the C++ helper is not built here (the python variant covers this test)")
+
+    class Thing:
+        pass
+
+    old, tensor, numbers = Thing(), torch.ones(3), {"lr": 0.1}  # a dict of numbers: not tracked
+    holder = Thing()
+    holder.numbers = numbers
+    dropped, dropped_tensor = weakref.ref(old), weakref.ref(tensor)
+    census = Census()
+    try:
+        new, new_numbers = Thing(), {"lr": 0.2}
+        assert census.existed(old) and census.existed(holder) and not census.existed(new)
+        assert census.existed(numbers) and not census.existed(numbers, thorough=False)
+        assert not census.existed(new_numbers)
+        del old, tensor
+        assert dropped() is not None, "an object dropped while the step runs keeps its address"
+        assert dropped_tensor() is None, "a tensor dropped while the step runs frees its memory"
+    finally:
+        census.drop()
+        fastcheck.helper.cache_clear()
+    assert dropped() is None and census.existed(new), "a dropped census holds nothing and refuses nothing"
 
 
 def test_writes_libraries_make_in_every_forward_are_not_the_users():

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..guards import fastcheck
 from ..guards.barriers import MISSING
 
 _LIST_MUTATORS = frozenset(
@@ -236,37 +237,55 @@ def find_cell(code: types.CodeType, name: str, now: Any) -> types.CellType | Non
 class Census:
     """The objects that exist when a capture begins (tensors left out: a write to a tensor is device
     work, and keeping dropped tensors alive would hold their memory). Holding them keeps any new
-    object from taking an old one's address while the step runs."""
+    object from taking an old one's address while the step runs. The C++ helper takes it in one pass
+    (fastcheck.py); from Python, a list now and a set of its ids at the first question."""
 
     def __init__(self, *, take: bool = True) -> None:
         """`take=False`: no census (every object counts as existing; for a watch that refuses nothing)."""
-        plain = _TENSOR_TYPES
-        self.objects: list | None = [o for o in gc.get_objects() if type(o) not in plain] if take else None
+        self.taken = take
+        self._native: Any = None
+        self._objects: list | None = None
         self._ids: set[int] | None = None
         self._held: dict[int, tuple[Any, bool]] = {}
+        if not take:
+            return
+        native = getattr(fastcheck.helper(), "Census", None)
+        if native is not None:
+            self._native = native(gc.get_objects(), tuple(_TENSOR_TYPES))
+        else:
+            plain = _TENSOR_TYPES
+            self._objects = [o for o in gc.get_objects() if type(o) not in plain]
 
     def existed(self, obj: Any, *, thorough: bool = True) -> bool:
         """`obj` existed before the capture began, or is held by something that did (a plain dict that
         the collector did not track then: a dict holding only numbers is not tracked). The second costs
         one pass over the collector's objects, once per such dict; `thorough=False` leaves it out (a
         first look, where most objects written were made by the step)."""
-        if self.objects is None:
+        if not self.taken:
             return True
-        if self._ids is None:
-            self._ids = {id(o) for o in self.objects}
-        if id(obj) in self._ids:
+        if self._holds(obj):
             return True
         if type(obj) is not dict or not thorough:  # only a plain dict can have been left untracked
             return False
         cached = self._held.get(id(obj))
         if cached is None or cached[0] is not obj:
-            objects = self.objects
-            held = any(id(r) in self._ids and r is not objects for r in gc.get_referrers(obj))
+            objects = self._objects
+            held = any(r is not objects and self._holds(r) for r in gc.get_referrers(obj))
             cached = self._held[id(obj)] = (obj, held)
         return cached[1]
 
+    def _holds(self, obj: Any) -> bool:
+        if self._native is not None:
+            return self._native.holds(obj)
+        if self._ids is None:
+            self._ids = set(map(id, self._objects))
+        return id(obj) in self._ids
+
     def drop(self) -> None:
-        self.objects = self._ids = None
+        if self._native is not None:
+            self._native.release()
+        self._native = self._objects = self._ids = None
+        self.taken = False
         self._held.clear()
 
 
