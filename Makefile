@@ -33,7 +33,8 @@ $(BIN)/python:
 
 # Install torch only when none is importable: a bare `pip install torch` would pull a multi-GB CUDA build.
 # Set-up time (2 cores): pip byte-compiles what it installs one file at a time, about half of its
-# time, so it installs with --no-compile and compileall does it on every core afterwards; and the C++
+# time, so it installs with --no-compile and compileall does it on every core afterwards (graphstep's
+# src too: every process the tests start imports it); and the C++
 # guard helper (one core, ~30 s) builds in place while pip installs graphstep and its extras beside
 # it (its build is skipped there: GRAPHSTEP_NO_EXTENSION). A helper already built is not rebuilt.
 setup: $(BIN)/python
@@ -47,7 +48,7 @@ setup: $(BIN)/python
 	installed=$$?; wait $$build; built=$$?; \
 	grep -h "^graphstep:" $(VENV)/build_ext.log || true; \
 	[ $$installed -eq 0 ] && [ $$built -eq 0 ] || { cat $(VENV)/build_ext.log; exit 1; }
-	@$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c "$(VENV_SITE)")" > /dev/null || true
+	@$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c "$(VENV_SITE)")" src > /dev/null || true
 	@$(BIN)/python -c "from graphstep.guards import fastcheck; print('make: guards read tensors ' + ('in C++' if fastcheck.helper() else 'from Python (no C++ helper)'))"
 
 test: setup

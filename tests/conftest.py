@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from cpu_common import make_twins
 from graphstep.guards import fastcheck, read_guard
@@ -54,6 +55,17 @@ GUARD_PATH_MODULES = {
 def pytest_generate_tests(metafunc):
     if Path(metafunc.module.__file__).stem in GUARD_PATH_MODULES:
         metafunc.parametrize("guard_path", ["helper", "python"], indirect=True)
+
+
+HELPER_BUILT = fastcheck.helper() is not None
+
+
+@pytest.fixture
+def random_examples(guard_path):
+    """Hypothesis settings for the random call sequences of GUARD_PATH_MODULES: 25 examples on the
+    C++ helper's path, 10 on the pure-Python one, whose only difference is how the guards read
+    tensors (every other test of the module covers that on both); 25 where the helper is not built."""
+    return settings(max_examples=10 if guard_path == "python" and HELPER_BUILT else 25, deadline=None)
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import graphstep
@@ -233,21 +233,24 @@ MUTATIONS = {
 }
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    st.lists(
-        st.tuples(st.sampled_from([None, *MUTATIONS]), st.sampled_from([2, 4])),
-        min_size=4,
-        max_size=14,
+def test_random_call_sequences_always_equal_eager(random_examples):
+    @random_examples
+    @given(
+        st.lists(
+            st.tuples(st.sampled_from([None, *MUTATIONS]), st.sampled_from([2, 4])),
+            min_size=4,
+            max_size=14,
+        )
     )
-)
-def test_random_call_sequences_always_equal_eager(calls):
-    twins = Twins(graphstep.Config(backend="recording", warmup_steps=1, max_recaptures=100))
-    for i, (mutation, batch_size) in enumerate(calls):
-        if mutation is not None:
-            twins.both(MUTATIONS[mutation])
-        x, y = batches(1, batch_size=batch_size, seed=i)[0]
-        twins.call(x, y, seed=i)
+    def calls_in_a_row(calls):
+        twins = Twins(graphstep.Config(backend="recording", warmup_steps=1, max_recaptures=100))
+        for i, (mutation, batch_size) in enumerate(calls):
+            if mutation is not None:
+                twins.both(MUTATIONS[mutation])
+            x, y = batches(1, batch_size=batch_size, seed=i)[0]
+            twins.call(x, y, seed=i)
+
+    calls_in_a_row()
 
 
 def test_guard_holds_is_silent_for_unrelated_modules():

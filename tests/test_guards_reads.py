@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import graphstep
@@ -370,28 +370,33 @@ MOVES = {
 }
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    st.lists(
-        st.tuples(st.sampled_from([None, *MOVES]), st.sampled_from([2, 4])),
-        min_size=4,
-        max_size=14,
+def test_random_changes_always_equal_eager(random_examples):
+    @random_examples
+    @given(
+        st.lists(
+            st.tuples(st.sampled_from([None, *MOVES]), st.sampled_from([2, 4])),
+            min_size=4,
+            max_size=14,
+        )
     )
-)
-def test_random_changes_always_equal_eager(calls):
-    helpers_reads.TEMPERATURE = 1.0
-    helpers_reads.LOSS_WEIGHT = 1.0
-    helpers_reads.CONFIG = helpers_reads.LossConfig()
-    helpers_reads.reset_containers()
-    SET_WEIGHT(1.0)
-    twins = Twins(
-        graphstep.Config(backend="recording", warmup_steps=1, max_recaptures=100, allow_python_writes=True)
-    )
-    for i, (move, batch_size) in enumerate(calls):
-        if move is not None:
-            MOVES[move](twins)
-        x, y = batches(1, batch_size=batch_size, seed=i)[0]
-        twins.call(x, y, seed=i)
+    def calls_in_a_row(calls):
+        helpers_reads.TEMPERATURE = 1.0
+        helpers_reads.LOSS_WEIGHT = 1.0
+        helpers_reads.CONFIG = helpers_reads.LossConfig()
+        helpers_reads.reset_containers()
+        SET_WEIGHT(1.0)
+        twins = Twins(
+            graphstep.Config(
+                backend="recording", warmup_steps=1, max_recaptures=100, allow_python_writes=True
+            )
+        )
+        for i, (move, batch_size) in enumerate(calls):
+            if move is not None:
+                MOVES[move](twins)
+            x, y = batches(1, batch_size=batch_size, seed=i)[0]
+            twins.call(x, y, seed=i)
+
+    calls_in_a_row()
 
 
 def test_the_cpp_helper_sees_what_the_python_path_sees():
