@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
+import weakref
 
 import pytest
 import torch
@@ -35,6 +37,26 @@ def test_every_call_is_one_step_equal_to_eager(twins, backend):
     # The capturing call performs its step during capture on these backends: 10 = 3 + 1 + 6.
     assert s.replays == 6 and s.eager_calls == 0 and s.graphs_alive == 1
     assert step.backend_name == backend
+
+
+@pytest.mark.parametrize("backend", ["recording", "eager"])
+def test_a_result_the_caller_drops_is_freed_at_once_from_the_first_call_on(twins, backend):
+    """Nothing of a call is left in a reference cycle: a frame kept alive until the next garbage
+    collection holds its callers' locals (the result, the capture's buffers)."""
+    _, (model, opt) = twins
+    step = graphstep.capture(
+        sgd_step(model, opt), model=model, optimizer=opt, config=graphstep.Config(backend=backend)
+    )
+    gc.disable()
+    try:
+        for i, (x, y) in enumerate(batches(6)):
+            result = weakref.ref(step(x, y))
+            assert result() is None, (
+                f"call {i} ({step.stats}): its result outlives the caller's last reference"
+            )
+    finally:
+        gc.enable()
+    assert step.stats.captures == 1
 
 
 def test_warmup_steps_is_honoured(twins):

@@ -53,6 +53,40 @@ def follow(t: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
     return t
 
 
+def op_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an ATen operation's arguments or results (`args`, `kwargs`, `out`): lists,
+    tuples and dicts of them, walked without pytree's general machinery (a dispatch mode calls this
+    for every operation of a step)."""
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, found)
+
+
+def map_op_tensors(fn: Any, value: Any) -> Any:
+    """`value` with `fn(t)` for each tensor `t` in it: the structures of `op_tensors`, rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(map_op_tensors(fn, v) for v in value)
+    if kind is dict:
+        return {k: map_op_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, dict)):  # a named tuple or another subclass: pytree rebuilds it
+        return torch.utils._pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+    return value
+
+
 @dataclasses.dataclass
 class TrainingState:
     modules: list[nn.Module]

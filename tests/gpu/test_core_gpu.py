@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -107,6 +108,24 @@ def test_results_let_go_at_once_come_from_the_output_ring_without_copies():
     assert torch.equal(eager_sum, graphed_sum)
     assert_same_losses(eager_held, held)
     assert ring.copies == 2
+    step.close()
+
+
+def test_a_result_the_caller_drops_is_freed_at_once_from_the_first_call_on():
+    """No call leaves a reference cycle behind: a frame kept until the next garbage collection holds
+    its callers' locals (the capture call's result, its buffers)."""
+    _, (m_g, o_g) = gpt_pair()
+    step = graphstep.capture(train_step(m_g, o_g), model=m_g, optimizer=o_g)
+    gc.disable()
+    try:
+        for i, (x, y) in enumerate(batches(6)):
+            result = weakref.ref(step(x, y))
+            assert result() is None, (
+                f"call {i} ({step.stats}): its result outlives the caller's last reference"
+            )
+    finally:
+        gc.enable()
+    assert step.stats.captures == 1
     step.close()
 
 

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..diagnostics import host_sync_of
+from ..state import map_op_tensors
 from .base import CaptureBody, HostBackend, PartsRecording
 from .compiled import MODES_KEEP_COMPILED, no_compiling
 from .segments import Splitter
@@ -78,8 +78,9 @@ class _Recorder(UndoLog):
             )
         self.before(func, args, kwargs)
         out = func(*args, **kwargs)
+        alias = self.alias
         self.parts[-1].append(
-            (func, tree_map(self.alias, args), tree_map(self.alias, kwargs), tree_map(self.alias, out))
+            (func, map_op_tensors(alias, args), map_op_tensors(alias, kwargs), map_op_tensors(alias, out))
         )
         return out
 

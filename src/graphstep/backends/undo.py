@@ -7,17 +7,22 @@ is copied just before its first in-place or `out=` write; `roll_back()` copies t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..state import follow, storage_paths
 
 
-def written_arguments(func: torch._ops.OpOverload) -> list[int]:
-    """Positions of the arguments an operation writes to (in-place and out= arguments)."""
-    return [
-        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-    ]
+@functools.cache
+def written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """Positions and names of the arguments an operation writes to (in-place and out= arguments)."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
 
 
 class UndoLog(TorchDispatchMode):
@@ -32,9 +37,8 @@ class UndoLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def before(self, func, args: tuple, kwargs: dict) -> None:
-        names = [a.name for a in func._schema.arguments]
-        for i in written_arguments(func):
-            value = args[i] if i < len(args) else kwargs.get(names[i])
+        for i, name in written_arguments(func):
+            value = args[i] if i < len(args) else kwargs.get(name)
             for written in value if isinstance(value, (list, tuple)) else [value]:
                 if not isinstance(written, torch.Tensor) or written.device.type == "meta":
                     continue

@@ -46,6 +46,7 @@ from ..diagnostics import host_sync_ops, log
 from ..errors import HostRandomError
 from ..guards.compiling import unseen
 from ..guards.reads import is_user_file
+from ..state import op_tensors
 from . import draw_advice
 from .draw_advice import Draw
 
@@ -389,15 +390,17 @@ class _CoinWatch(TorchDispatchMode):
         watch = self.watch
         if watch._paused:
             return func(*args, **kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        coin = next((self.coins[id(t)] for t in inputs if id(t) in self.coins), None)
+        coins = self.coins
+        coin = None
+        if coins:  # most steps draw no coin: no look at the inputs
+            coin = next((coins[id(t)] for t in op_tensors((args, kwargs)) if id(t) in coins), None)
         if coin is not None and func in self.syncs:
             watch._add(coin[1])
             if watch.refuse:
                 raise watch.error()
         out = func(*args, **kwargs)
         if coin is not None or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            small = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() <= 1]
+            small = [t for t in op_tensors(out) if t.numel() <= 1]
             if small:  # where it was drawn, taken now: the frame moves on
                 draw = coin[1] if coin is not None else draw_advice.draw_at(_COIN, sys._getframe(1), "branch")
                 self.coins.update((id(t), (t, draw)) for t in small)

@@ -172,13 +172,7 @@ class WriteWatch:
             if profile is None or callable(profile):
                 sys.setprofile(profile)
         self._active = True
-        # Python 3.12 turns opcode events on when a tracer is installed only if some frame of the
-        # process asked for them before (a flag that stays set): ask once, so that the first
-        # capture of a process is watched too.
-        here = sys._getframe()
-        asked = here.f_trace_opcodes
-        here.f_trace_opcodes = True
-        here.f_trace_opcodes = asked
+        _ask_for_opcode_events()
         sys.settrace(unseen(self._trace))  # called inside compiled models too: not to be compiled
         return self
 
@@ -368,6 +362,17 @@ class WriteWatch:
         if _asynchronous(frame):  # not the step's work, though it ran during it
             return
         self.writes.append(Write(self._where(frame, line), what, undo, attribute))
+
+
+def _ask_for_opcode_events() -> None:
+    """Python 3.12 turns opcode events on when a tracer is installed only if some frame of the
+    process asked for them before (a flag that stays set): ask once, so that the first capture of a
+    process is watched too."""
+    here = sys._getframe()
+    asked = here.f_trace_opcodes
+    here.f_trace_opcodes = True
+    here.f_trace_opcodes = asked
+    del here  # a frame holding itself is a cycle: its callers' locals would live until a collection
 
 
 def _refused(step_name: str, writes: list[Write]) -> PythonWriteError:
