@@ -19,6 +19,7 @@ import graphstep
 from graphstep.bench.parallel import parallelize, parallelize_2d
 from graphstep.demo.gpt import GPT, GPTConfig, make_batches
 from graphstep.errors import ClosedError, HostSyncError
+from graphstep.optim.python_state import grad_references
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
 LOSS_SCALES = [1.0 + 0.01 * k for k in range(16)]
@@ -252,6 +253,20 @@ def dtensor_shard_replaced(rank: int, size: int) -> dict:
     report = {"stats": dataclasses.asdict(step.stats)}
     step.close()
     return report
+
+
+def dtensor_grad_references(rank: int, size: int) -> dict:
+    """The optimizer watch's search for state that keeps a gradient by reference, on tensor-parallel
+    parameters: a DTensor has no storage of its own (its local shard has)."""
+    device = _device(rank)
+    model, opt = _build("tp", device)
+    x, y = _data("tp", rank, 1, device)[0]
+    model(x, y).backward()
+    opt.step()
+    before = grad_references(opt)
+    weight = model.blocks[0].fc.weight
+    opt.state[weight]["last_grad"] = weight.grad  # what timm's Mars keeps
+    return {"before": before, "after": grad_references(opt), "dtensor": type(weight.grad).__name__}
 
 
 # -- failures and mismatches (CPU, 4 ranks): every rank raises, none hangs -----------------------

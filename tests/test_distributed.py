@@ -18,6 +18,7 @@ import graphstep
 from dist_workers import (
     agree_at_random,
     destroy_with_open_step,
+    dtensor_grad_references,
     dtensor_shard_replaced,
     leave_step_open,
     one_more_collective,
@@ -127,6 +128,12 @@ def test_a_replaced_dtensor_shard_needs_no_capture_on_the_eager_backend():
     # used (on CUDA, where graphs bake addresses, the guard reads through the DTensor and captures again).
     for report in run_ranks(dtensor_shard_replaced, 2):
         assert report["stats"]["captures"] == 1
+
+
+def test_optimizer_state_holding_a_dtensor_gradient_is_found_through_its_shard():
+    for report in run_ranks(dtensor_grad_references, 2):
+        assert report["dtensor"] == "DTensor" and report["before"] == []
+        assert len(report["after"]) == 1 and report["after"][0].endswith("['last_grad']"), report
 
 
 def test_destroy_process_group_closes_live_steps_first():

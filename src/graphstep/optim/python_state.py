@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..state import follow, storage_paths
+
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _MOST_ITEMS = 64
 """Containers and host tensors larger than this are not compared (a step count is small)."""
@@ -98,19 +100,25 @@ def grad_references(opt: Any) -> list[str]:
     keeps `state["last_grad"] = grad`): eagerly each step's gradient is a new tensor, so the reference
     keeps the last one; a graph reuses one buffer, so the reference would see the new gradient."""
     params = [p for g in getattr(opt, "param_groups", ()) for p in g["params"]]
-    grads = {
-        p.grad.untyped_storage().data_ptr()
-        for p in params
-        if p.grad is not None and p.grad.layout == torch.strided and p.grad.numel()
-    }
+    grads = set().union(*(_memory(p.grad) for p in params if p.grad is not None))
     index = {id(p): i for i, p in enumerate(params)}
     found = []
     for param, entries in getattr(opt, "state", {}).items():
         for key, value in entries.items() if isinstance(entries, dict) else ():
-            strided = isinstance(value, torch.Tensor) and value.layout == torch.strided and value.numel()
-            if strided and value.untyped_storage().data_ptr() in grads:
+            if isinstance(value, torch.Tensor) and _memory(value) & grads:
                 found.append(f"state[param {index.get(id(param), '?')}][{key!r}]")
     return found
+
+
+def _memory(t: torch.Tensor) -> set[int]:
+    """Data pointers of the storages holding a strided tensor's elements: a DTensor's (FSDP2, tensor
+    parallel) are its local shard's, as a wrapper subclass has no storage of its own; none for an
+    empty one (freed shards share pointer 0)."""
+    if t.layout != torch.strided or not t.numel():
+        return set()
+    pointers = {follow(t, path).untyped_storage().data_ptr() for path in storage_paths(t)}
+    pointers.discard(0)
+    return pointers
 
 
 def same(a: Any, b: Any) -> bool:
