@@ -255,6 +255,13 @@ def dtensor_shard_replaced(rank: int, size: int) -> dict:
     return report
 
 
+def nccl_graph_registration(rank: int, size: int) -> str | None:
+    """What importing graphstep made of the environment the test gave this rank."""
+    import os
+
+    return os.environ.get("NCCL_GRAPH_REGISTER")
+
+
 def dtensor_grad_references(rank: int, size: int) -> dict:
     """The optimizer watch's search for state that keeps a gradient by reference, on tensor-parallel
     parameters: a DTensor has no storage of its own (its local shard has)."""

@@ -11,11 +11,13 @@ The processes are forked from a server process that has imported torch once (mul
 "forkserver", tests/preload.py): a rank starts in a fraction of a second instead of importing
 torch afresh, which made process start-up most of the distributed tests' time. Nothing of graphstep
 is preloaded (importing it reads the environment), and each rank applies the test's `env` itself,
-first thing: a forked rank inherits the server's environment, not the test's.
+first thing (a forked rank inherits the server's environment, not the test's), then imports the
+worker's module, which is passed by name.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import socket
@@ -34,7 +36,7 @@ def _free_port() -> int:
 
 
 def _main(
-    worker: Callable,
+    worker_at: tuple[str, str],
     rank: int,
     size: int,
     port: int,
@@ -47,6 +49,11 @@ def _main(
     os.environ.update(env)  # before graphstep is imported, NCCL initialised or the vote reads it
     import torch
     import torch.distributed as dist
+
+    # The worker's module imports graphstep: only now (passed by name, unpickling it would import it
+    # before the environment above is set; graphstep reads some of it at import).
+    module, name = worker_at
+    worker = getattr(importlib.import_module(module), name)
 
     if "OMP_NUM_THREADS" in env:  # torch was imported by the server, before this variable was set
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -79,7 +86,19 @@ def run_ranks(
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
-            target=_main, args=(worker, r, size, port, backend, destroy, env, kwargs, out), daemon=True
+            target=_main,
+            args=(
+                (worker.__module__, worker.__qualname__),
+                r,
+                size,
+                port,
+                backend,
+                destroy,
+                env,
+                kwargs,
+                out,
+            ),
+            daemon=True,
         )
         for r in range(size)
     ]

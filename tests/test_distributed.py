@@ -21,6 +21,7 @@ from dist_workers import (
     dtensor_grad_references,
     dtensor_shard_replaced,
     leave_step_open,
+    nccl_graph_registration,
     one_more_collective,
     one_rank_changes,
     one_rank_exits,
@@ -128,6 +129,13 @@ def test_a_replaced_dtensor_shard_needs_no_capture_on_the_eager_backend():
     # used (on CUDA, where graphs bake addresses, the guard reads through the DTensor and captures again).
     for report in run_ranks(dtensor_shard_replaced, 2):
         assert report["stats"]["captures"] == 1
+
+
+def test_a_rank_imports_graphstep_after_its_environment_is_set():
+    """With expandable segments, importing graphstep turns NCCL's graph registration off: only if the
+    rank's environment is in place first (the harness imports the worker's module after setting it)."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert run_ranks(nccl_graph_registration, 2, env=env) == ["0", "0"]
 
 
 def test_optimizer_state_holding_a_dtensor_gradient_is_found_through_its_shard():
