@@ -50,14 +50,13 @@ def _main(
     import torch
     import torch.distributed as dist
 
-    # The worker's module imports graphstep: only now (passed by name, unpickling it would import it
-    # before the environment above is set; graphstep reads some of it at import).
-    module, name = worker_at
-    worker = getattr(importlib.import_module(module), name)
-
     if "OMP_NUM_THREADS" in env:  # torch was imported by the server, before this variable was set
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
+        # The worker's module imports graphstep: only now (passed by name, unpickling it would import
+        # it before the environment above is set; graphstep reads some of it at import).
+        module, name = worker_at
+        worker = getattr(importlib.import_module(module), name)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
