@@ -149,7 +149,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.rewarmed: bool | str = False  # the last capture gave way to a warm-up ("compile": to compile)
+        self.gave_way_for: str | None = None  # the last capture gave way to a warm-up: "compile", "segments"
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
@@ -295,7 +295,7 @@ class Lifecycle:
         finally:
             for old in replaced:
                 old.recording.release()
-        self.rewarmed = False
+        self.gave_way_for = None
         self.variants.append(variant)
         self.current = variant
         if backend.static_buffers:
@@ -389,10 +389,10 @@ def _warm_up_again(life: Lifecycle, again: WarmUpAgain, args: tuple, kwargs: dic
     compiled frame that would have compiled during the capture (see `backends/compiled.py`)."""
     compiling = isinstance(again, CompileAtCaptureError)  # a compiled frame would have compiled
     if compiling:
-        compiled.gave_way(life.ctx.name, again, repeated=life.rewarmed == "compile")
-    elif not again.after_break and life.rewarmed:
+        compiled.gave_way(life.ctx.name, again, repeated=life.gave_way_for == "compile")
+    elif not again.after_break and life.gave_way_for is not None:
         raise CaptureError(str(again)) from None
-    life.rewarmed = "compile" if compiling else True
+    life.gave_way_for = "compile" if compiling else "segments"
     life.warmups = min(life.warmups, life.ctx.warmups_needed - 1)
     return life.warm_up(args, kwargs)
 
