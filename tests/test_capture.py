@@ -337,3 +337,23 @@ def test_an_eval_step_shares_the_training_steps_backend(twins):
     evaluation.close()
     assert train._ctx.backend.users == 1
     train.close()
+
+
+def test_the_walk_over_an_operations_values_finds_and_replaces_every_tensor():
+    """What the recording backend and the host-random watch walk for each ATen operation, in place of
+    pytree: nested lists and tuples (a fused optimizer returns tuples of lists), keyword dicts, a named
+    tuple (rebuilt through pytree), and values with no tensor left as they are."""
+    from collections import namedtuple
+
+    from graphstep.state import map_op_tensors, op_tensors
+
+    Pair = namedtuple("Pair", "first second")
+    a, b, c = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
+    size = torch.Size([2, 3])
+    value = ([a, (b, 1.5)], {"out": c, "dim": size}, Pair(a, "x"))
+    assert [id(t) for t in op_tensors(value)] == [id(a), id(b), id(c), id(a)]
+    doubled = map_op_tensors(lambda t: t * 2, value)
+    assert torch.equal(doubled[0][0], a * 2) and torch.equal(doubled[0][1][0], b * 2)
+    assert doubled[0][1][1] == 1.5 and doubled[1]["dim"] is size and torch.equal(doubled[1]["out"], c * 2)
+    assert type(doubled[2]) is Pair and torch.equal(doubled[2].first, a * 2) and doubled[2].second == "x"
+    assert type(doubled[0]) is list and type(doubled[0][1]) is tuple

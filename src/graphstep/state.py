@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map
 
 from .errors import UnsupportedInputError
 
@@ -53,6 +54,11 @@ def follow(t: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
     return t
 
 
+def holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s memory: `t` itself, or a DTensor's local shard."""
+    return [follow(t, path) for path in storage_paths(t)]
+
+
 def op_tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in an ATen operation's arguments or results (`args`, `kwargs`, `out`): lists,
     tuples and dicts of them, walked without pytree's general machinery (a dispatch mode calls this
@@ -82,8 +88,8 @@ def map_op_tensors(fn: Any, value: Any) -> Any:
         return kind(map_op_tensors(fn, v) for v in value)
     if kind is dict:
         return {k: map_op_tensors(fn, v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, dict)):  # a named tuple or another subclass: pytree rebuilds it
-        return torch.utils._pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+    if isinstance(value, (list, tuple, dict)) and op_tensors(value):  # a named tuple holding tensors
+        return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
     return value
 
 

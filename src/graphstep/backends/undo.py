@@ -12,7 +12,7 @@ import functools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..state import follow, storage_paths
+from ..state import holders
 
 
 @functools.cache
@@ -42,7 +42,7 @@ class UndoLog(TorchDispatchMode):
             for written in value if isinstance(value, (list, tuple)) else [value]:
                 if not isinstance(written, torch.Tensor) or written.device.type == "meta":
                     continue
-                for t in (follow(written, path) for path in storage_paths(written)):
+                for t in holders(written):
                     key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
                     if key not in self._seen:
                         self._seen.add(key)

@@ -412,7 +412,6 @@ class Census {
   ~Census() { release(); }
 
   bool holds(const py::handle& obj) const { return std::binary_search(held_.begin(), held_.end(), obj.ptr()); }
-  size_t size() const { return held_.size(); }
 
   void release() {
     std::vector<PyObject*> held;
@@ -585,6 +584,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Census>(m, "Census")
       .def(py::init<const py::list&, const py::tuple&>())
       .def("holds", &Census::holds)
-      .def("release", &Census::release)
-      .def("__len__", &Census::size);
+      .def("release", &Census::release);
 }

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..state import follow, storage_paths
+from ..state import holders
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _MOST_ITEMS = 64
@@ -116,7 +116,7 @@ def _memory(t: torch.Tensor) -> set[int]:
     empty one (freed shards share pointer 0)."""
     if t.layout != torch.strided or not t.numel():
         return set()
-    pointers = {follow(t, path).untyped_storage().data_ptr() for path in storage_paths(t)}
+    pointers = {h.untyped_storage().data_ptr() for h in holders(t)}
     pointers.discard(0)
     return pointers
 
