@@ -57,7 +57,9 @@ class CudaGraphBackend:
         # the driver, so capture re-uses them and peak memory stays near eager's.
         self.pool = self._new_pool()
         self.graphs = 0
-        """Graphs alive in the pool, of every step that shares this backend."""
+        """Graphs alive, of every step that shares this backend (in this pool or earlier ones)."""
+        self._in_pool: dict[tuple[int, int], int] = {}
+        """Graphs alive in each pool that still has some: a pool leaves when its last graph goes."""
         self.users = 0
         """Captured steps using this backend (`capture(share_pool_with=...)`); close() at the last."""
         self._prime_library_workspaces()
@@ -188,12 +190,22 @@ class CudaGraphBackend:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        pool = self.pool
         self.graphs += 1
+        self._in_pool[pool] = self._in_pool.get(pool, 0) + 1
 
         def release() -> None:
             for graph in graphs:
                 graph.reset()
             self.graphs -= 1
+            self._in_pool[pool] -= 1
+            if not self._in_pool[pool]:
+                del self._in_pool[pool]
+                if pool == self.pool:
+                    # Its last graph gone, torch's pinned-memory allocator has counted the pool out
+                    # and asserts if it is captured into again: whoever released it (a re-capture, a
+                    # rank whose peer failed its capture, a signature given up), capture anew.
+                    self.renew_pool()
 
         recording = PartsRecording([graph.replay for graph in graphs], release)
         recording.cuda_graphs = graphs
@@ -229,9 +241,13 @@ class CudaGraphBackend:
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.
 
-        Needed too once every graph of a pool was released: torch 2.11's pinned-memory
-        allocator forgets a pool with its last graph and asserts if it is captured into again.
+        Needed too once every graph of a pool was released (`capture`'s `release` does it): torch's
+        pinned-memory allocator (CachingHostAllocator, 2.11 on) counts each pool's graphs from their
+        `capture_begin` to their `reset`; at zero it marks the pool freeable, and a later
+        `capture_begin` into the same pool id fails its internal assert (`use_count > 0`).
         """
+        if self.pool is None:  # closed
+            return
         _allocator_calls()[2](self.index, self.pool)
         self.pool = self._new_pool()
 
