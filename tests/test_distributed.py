@@ -25,7 +25,9 @@ from dist_workers import (
     one_more_collective,
     one_rank_changes,
     one_rank_exits,
+    one_rank_exits_mid_run,
     one_rank_is_late,
+    one_rank_out_of_memory_at_capture,
     one_rank_raises,
     one_rank_syncs,
     train_pair,
@@ -269,6 +271,31 @@ def test_a_rank_that_never_arrives_is_named_after_the_vote_timeout():
         assert report["call"] == 4 and report["error"] == "RankFailedError", f"rank {rank}: {report}"
         assert "rank(s) [1] did not reach graphstep's vote within 2 s" in report["message"]
     assert reports[1]["error"] == "RankFailedError" and "exited" in reports[1]["message"]
+
+
+def test_a_rank_that_exits_in_the_middle_of_a_step_stops_the_others_within_seconds():
+    """Rank 1 exits before its backward in a warm-up: rank 0, about to all-reduce with it, stops at
+    that collective's vote once it sees the process gone (instead of waiting in the all-reduce)."""
+    rank0, rank1 = run_ranks(one_rank_exits_mid_run, 2, exits=(1,), leaving=1, at="warmup", destroy=False)
+    assert rank1 == {"exitcode": 3}
+    assert rank0["call"] == 2 and rank0["error"] == "RankFailedError", rank0
+    assert "rank(s) [1]" in rank0["message"] and rank0["waited_s"] < 10, rank0
+
+
+def test_out_of_memory_at_capture_on_one_rank_steps_every_rank_eagerly_then_raises_on_every_rank():
+    """Rank 1 runs out of memory in its capture: every rank runs that call as an eager step (no error)
+    and captures on the next; that one runs out of memory too, so every rank raises a CaptureError in
+    the same call; the same batch again captures. Bitwise equal to eager throughout. (One failed
+    capture only: tests/gpu/test_distributed_gpu.py, for real.)"""
+    reports = run_ranks(one_rank_out_of_memory_at_capture, 2, failing=1, captures=2)
+    warmups = distributed.DDP_WARMUP_STEPS
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1 and report["stats"]["warmup_calls"] == warmups + 1, report
+        (error,) = report["errors"]
+        assert error["call"] == warmups + 1 and error["error"] == "CaptureError", error
+        assert "ran out of memory" in error["message"] and "previous capture" in error["message"], error
+    assert "failed on rank 1" in reports[0]["errors"][0]["message"]
 
 
 def _vote_env(vote: str) -> dict[str, str]:

@@ -117,7 +117,10 @@ def capture_variant(
     except BaseException as exc:
         error = exc
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
-        failed = ctx.ranks.capture_failure(ctx.name, error)
+        try:
+            failed = ctx.ranks.capture_failure(ctx.name, error)
+        except BaseException as exc:  # the vote itself failed (a rank exited): put everything back first
+            failed = exc if error is None else None
         if failed is not None and error is None:
             error = failed
     if error is not None:
@@ -137,6 +140,11 @@ def capture_variant(
         )
         if ctx.ranks is None and is_out_of_memory(error):
             # Not a graph break or an optimizer to move: the same step fits once memory is free.
+            raise OutOfMemoryAtCapture(str(converted)) from error
+        if ctx.ranks is not None and ctx.ranks.out_of_memory_at_capture() is not None:
+            # Some rank ran out of memory: every rank knows it from the same vote, and every rank
+            # runs this call as an eager step, together, and captures on the next.
+            ctx.ranks.step_eagerly_instead()
             raise OutOfMemoryAtCapture(str(converted)) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.

@@ -123,6 +123,8 @@ class Together:
         self.ended = False
         self.error: BaseException | None = None
         """Once ended: the error this rank raises because of another rank (None: all went well)."""
+        self.failed: tuple[int, int] | None = None
+        """Once ended by a failure: (the lowest rank that failed, its failure code), the same on every rank."""
         self._mode = _Watch(self) if watch and WATCHABLE else None
         self._exchanging = False
 
@@ -165,6 +167,11 @@ class Together:
             return None
         return self.error
 
+    def again_eagerly(self) -> None:
+        """The ranks stopped this call's capture together and now run the step eagerly instead, in the
+        same call (every rank decided so from the same vote): its collectives are checked afresh."""
+        self.capturing, self.count, self.ended, self.error, self.failed = False, 0, False, None, None
+
     def _exchange(self, values: list[int]) -> list[int]:
         self._exchanging = True
         try:
@@ -185,6 +192,7 @@ class Together:
         low = _DIGEST_MASK - inverse
         if failed:
             rank, code = self.board.size - failed // KINDS, failed % KINDS
+            self.failed = (rank, code)
             texts = self._gather(describe_error(failure) if failure is not None else "")
             self._stop(self._failure_error(rank, code, texts[rank]))
         elif high != low:

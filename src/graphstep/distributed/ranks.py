@@ -34,7 +34,16 @@ from torch import nn
 
 from ..errors import GraphStepError, RankFailedError
 from . import vote
-from .collectives import ERROR, KINDS, Together, describe_error, failure_code, is_agreed, mark_agreed
+from .collectives import (
+    ERROR,
+    KINDS,
+    OUT_OF_MEMORY,
+    Together,
+    describe_error,
+    failure_code,
+    is_agreed,
+    mark_agreed,
+)
 
 log = logging.getLogger("graphstep")
 
@@ -82,6 +91,8 @@ class Ranks:
         self._failure: tuple[int, str] | None = None
         """This rank's last failed call that the other ranks do not know of: (code, text)."""
         self._together: Together | None = None
+        self._modules: Iterable[nn.Module] = ()
+        """The modules of the call in `together` (its DDP modules are made usable again after a stop)."""
 
     def agree(self, phase: Phase, limited: bool, name: str = "the step") -> Agreement:
         """Every rank calls this with its own answers; all get the same result, or all raise
@@ -118,6 +129,7 @@ class Ranks:
         the DDP modules among `modules` are made usable again)."""
         capturing = agreed.phase is Phase.CAPTURE and agreed.limited_by is None
         together = self._together = Together(self.board, name, capturing=capturing)
+        self._modules = modules
         try:
             with together:
                 yield together
@@ -127,7 +139,7 @@ class Ranks:
                 recover_ddp(modules)
             raise
         finally:
-            self._together = None
+            self._together, self._modules = None, ()
         error = together.end(None)
         if error is not None:
             raise error
@@ -139,6 +151,19 @@ class Ranks:
         different one, would wait in a collective forever."""
         together = self._together or Together(self.board, name, capturing=True, watch=False)
         return together.end(error)
+
+    def out_of_memory_at_capture(self) -> int | None:
+        """After `capture_failure`: the rank whose running out of memory stopped this call's capture
+        on every rank (the lowest rank that failed, as every rank was told), else None."""
+        together = self._together
+        failed = together.failed if together is not None else None
+        return failed[0] if failed is not None and failed[1] == OUT_OF_MEMORY else None
+
+    def step_eagerly_instead(self) -> None:
+        """Every rank runs the call whose capture they stopped eagerly instead (`out_of_memory_at_capture`)."""
+        if self._together is not None:
+            self._together.again_eagerly()
+        recover_ddp(self._modules)  # a rank stopped inside its backward: DDP expects the rest of it
 
     def note_failure(self, error: BaseException) -> None:
         """A call raised `error` on this rank; unless every rank raised with it, the next vote
