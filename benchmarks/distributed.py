@@ -1,9 +1,11 @@
-"""Step time of the demo GPT under DDP, FSDP2 and tensor parallelism: eager, a hand-written
-whole-step `torch.cuda.graph`, and graphstep, side by side on the same GPUs in one run.
+"""Step time of the demo GPT under DDP, FSDP2, tensor parallelism and FSDP2 x tensor parallel on a 2-D
+mesh (`fsdp_tp`: 2-way tensor parallel, the rest data parallel): eager, a hand-written whole-step
+`torch.cuda.graph`, and graphstep, side by side on the same GPUs in one run.
 
 Also times the vote graphstep holds before every call of a distributed step (`Ranks.agree`:
 shared memory on one host). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
-Run: `torchrun --nproc_per_node 2 benchmarks/distributed.py [--steps 100] [--out DIR]`.
+Run: `torchrun --nproc_per_node N benchmarks/distributed.py [--steps 100] [--kinds ddp,fsdp_tp] [--out DIR]`
+with N = 2, 4 or 8 (every GPU of the host: scripts/gpu-check-distributed.sh).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import graphstep
-from graphstep.bench.parallel import KINDS, parallelize
+from graphstep.bench.parallel import KINDS, KINDS_2D, mesh_2d, parallelize, parallelize_2d
 from graphstep.bench.runner import ManualGraphStep, gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
 from graphstep.demo.train import StepFn, make_train_step
@@ -30,8 +32,12 @@ from graphstep.distributed.ranks import DDP_WARMUP_STEPS, Phase, Ranks
 BATCH = 16
 
 
-def training(kind: str, base: GPT, device: torch.device) -> StepFn:
-    model = parallelize(copy.deepcopy(base), kind)
+def training(kind: str, base: GPT, device: torch.device, mesh: object = None) -> StepFn:
+    model = (
+        parallelize_2d(copy.deepcopy(base), mesh)
+        if kind in KINDS_2D
+        else parallelize(copy.deepcopy(base), kind)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     graphstep.optim.make_capturable(opt, device)
     return make_train_step(model, opt, amp=True)
@@ -64,7 +70,7 @@ def vote_us(method: str, n: int = 2000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--kinds", default=",".join(KINDS + KINDS_2D))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     dist.init_process_group("nccl")
@@ -76,13 +82,15 @@ def main() -> None:
     warmup = DDP_WARMUP_STEPS + 5
     rows = []
     for kind in args.kinds.split(","):
-        seed = 0 if kind == "tp" else rank  # tensor-parallel ranks share batches
+        mesh = mesh_2d("cuda") if kind in KINDS_2D else None
+        # Tensor-parallel ranks share batches; on the 2-D mesh, ranks of one data-parallel index do.
+        seed = 0 if kind == "tp" else mesh["dp"].get_local_rank() if mesh is not None else rank
         data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=seed, device="cuda")
-        eager = ms_per_step(training(kind, base, device), data, warmup)
-        manual = ManualGraphStep(training(kind, base, device), warmup=DDP_WARMUP_STEPS)
+        eager = ms_per_step(training(kind, base, device, mesh), data, warmup)
+        manual = ManualGraphStep(training(kind, base, device, mesh), warmup=DDP_WARMUP_STEPS)
         hand = ms_per_step(manual, data, warmup)
         manual.close()
-        step = graphstep.capture(training(kind, base, device))
+        step = graphstep.capture(training(kind, base, device, mesh))
         captured = ms_per_step(step, data, warmup)
         step.close()
         row = {
@@ -113,7 +121,8 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
             f"demo GPT {TINY} batch {BATCH} per rank, bf16 autocast, AdamW(capturable, tensor lr) + "
             f"clip_grad_norm_; ms/step = wall time of {args.steps} steps after {DDP_WARMUP_STEPS + 5} "
             "warm-up steps, synchronised before and after; DDP built on a side stream; tp: qkv/fc "
-            "column-wise, proj/fc_out row-wise, the rest replicated DTensors"
+            "column-wise, proj/fc_out row-wise, the rest replicated DTensors; fsdp_tp: a (gpus/2, 2) "
+            "mesh, tp within pairs of neighbouring ranks, FSDP2 (reshard after forward) across them"
         ),
         "rows": rows,
         "vote_us_median": {method: round(us, 1) for method, us in vote.items()},

@@ -481,6 +481,7 @@ def one_rank_out_of_memory_at_capture(rank: int, size: int, *, failing: int, cap
     import itertools
 
     device = _device(rank)
+    torch.use_deterministic_algorithms(True)
     (m_e, o_e), (m_g, o_g) = _ddp_twins(device)
     forwards = itertools.count()  # advanced by a call: not a Python write the capture would refuse
     # The forwards the captures make: after the warm-ups, every other one (each failed capture's eager

@@ -141,11 +141,12 @@ def capture_variant(
         if ctx.ranks is None and is_out_of_memory(error):
             # Not a graph break or an optimizer to move: the same step fits once memory is free.
             raise OutOfMemoryAtCapture(str(converted)) from error
-        if ctx.ranks is not None and ctx.ranks.out_of_memory_at_capture() is not None:
+        short_rank = ctx.ranks.out_of_memory_at_capture() if ctx.ranks is not None else None
+        if short_rank is not None:
             # Some rank ran out of memory: every rank knows it from the same vote, and every rank
             # runs this call as an eager step, together, and captures on the next.
             ctx.ranks.step_eagerly_instead()
-            raise OutOfMemoryAtCapture(str(converted)) from error
+            raise OutOfMemoryAtCapture(str(converted), rank=short_rank) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.
             return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)

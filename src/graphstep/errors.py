@@ -23,7 +23,12 @@ class WarmUpAgain(CaptureError):
 class OutOfMemoryAtCapture(WarmUpAgain):
     """Internal: the GPU ran out of memory while a graph was being captured. Nothing of the capture is
     kept; that call runs as one more warm-up (an eager step) and the next call captures again. When that
-    capture runs out of memory too, a `CaptureError` says so."""
+    capture runs out of memory too, a `CaptureError` says so. With ranks, every rank does the same in the
+    same call; `rank` is the one whose GPU ran out (None: this process's, alone)."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 class CompileAtCaptureError(WarmUpAgain):

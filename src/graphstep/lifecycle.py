@@ -396,9 +396,11 @@ def _warm_up_again(life: Lifecycle, again: WarmUpAgain, args: tuple, kwargs: dic
             life.gave_way_for = None
             raise CaptureError(f"{again}\nThe previous capture ran out of memory too.") from again.__cause__
         log.warning(
-            "graphstep: %s: the GPU ran out of memory while capturing; nothing of the capture is kept, this "
-            "call ran as an eager step, and the next call captures again.",
+            "graphstep: %s: %s ran out of memory while capturing; nothing of the capture is kept, this "
+            "call ran as an eager step%s, and the next call captures again.",
             life.ctx.name,
+            "the GPU" if again.rank is None else f"rank {again.rank}'s GPU",
+            "" if again.rank is None else " on every rank",
         )
         life.gave_way_for = "memory"
         life.warmups = min(life.warmups, life.ctx.warmups_needed - 1)

@@ -14,6 +14,8 @@ from ..demo.gpt import GPT
 
 KINDS = ("ddp", "fsdp", "fsdp_keep", "tp")
 """`fsdp`: FSDP2 resharding after forward; `fsdp_keep`: keeping parameters gathered until backward."""
+KINDS_2D = ("fsdp_tp",)
+"""FSDP2 over the data-parallel dimension of a 2-D mesh, tensor parallel over the other (`parallelize_2d`)."""
 
 
 def parallelize(model: GPT, kind: str, mesh: object | None = None) -> nn.Module:
@@ -93,6 +95,19 @@ def tensor_parallel(model: GPT, mesh: object) -> GPT:
     for module in replicated:
         distribute_module(module, mesh, input_fn=replicated_inputs, output_fn=local_output)
     return model
+
+
+def mesh_2d(device_type: str, tp: int = 2) -> object:
+    """A ("dp", "tp") DeviceMesh of every rank: `tp` ranks tensor-parallel (neighbours: on one host
+    their all-reduces stay on the closest links), the rest data-parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = torch.distributed.get_world_size()
+    if size % tp:
+        raise ValueError(
+            f"a 2-D mesh with {tp}-way tensor parallelism needs a multiple of {tp} ranks, not {size}"
+        )
+    return init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def parallelize_2d(model: GPT, mesh: object) -> GPT:
