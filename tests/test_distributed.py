@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import graphstep
+from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
 from dist_workers import (
     agree_at_random,
     destroy_with_open_step,
@@ -25,9 +26,7 @@ from dist_workers import (
     one_more_collective,
     one_rank_changes,
     one_rank_exits,
-    one_rank_exits_mid_run,
     one_rank_is_late,
-    one_rank_out_of_memory_at_capture,
     one_rank_raises,
     one_rank_syncs,
     train_pair,

@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
 from dist_workers import (
     destroy_with_open_step,
     leave_step_open,
     one_more_collective,
     one_rank_changes,
-    one_rank_exits_mid_run,
-    one_rank_out_of_memory_at_capture,
     one_rank_raises,
     one_rank_syncs,
     train_pair,

@@ -1,0 +1,114 @@
+"""Per-rank bodies of the distributed tests of failures under DDP: out of memory at capture on one rank,
+a rank that exits mid-run (CPU over gloo with the eager backend; GPU over NCCL with graphs). Run by
+`ranks.run_ranks`, like those of dist_workers.py, whose pieces they share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import graphstep
+from dist_workers import _ddp, _device, _finish, _mlp, _mlp_data, _plain_step
+
+
+def _ddp_twins(device: torch.device) -> list:
+    """Two identical DDP MLPs with SGD: the eager one and graphstep's."""
+    pairs = []
+    for _ in range(2):
+        model = _ddp(_mlp(device), device)
+        pairs.append((model, torch.optim.SGD(model.parameters(), lr=0.05)))
+    return pairs
+
+
+def one_rank_out_of_memory_at_capture(rank: int, size: int, *, failing: int, captures: int = 1) -> dict:
+    """Rank `failing` runs out of memory in the forward of its first `captures` captures (on CUDA for
+    real: it allocates twice the device while its stream captures; on CPU torch's error is raised at
+    the forward a capture makes). Every rank must run that call eagerly, together, and capture on the
+    next (twice in a row: every rank raises a CaptureError in the same call). Compared with eager."""
+    import itertools
+
+    device = _device(rank)
+    torch.use_deterministic_algorithms(True)
+    (m_e, o_e), (m_g, o_g) = _ddp_twins(device)
+    forwards = itertools.count()  # advanced by a call: not a Python write the capture would refuse
+    # The forwards the captures make: after the warm-ups, every other one (each failed capture's eager
+    # step follows it).
+    capture_forwards = {distributed_warmups() + 2 * k for k in range(captures)}
+
+    def too_big_while_capturing(module, inputs, output):
+        n = next(forwards)
+        if rank != failing:
+            return
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing() and n in capture_forwards:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.empty(2 * total, dtype=torch.uint8, device=device)
+        elif n in capture_forwards:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (simulated)")
+
+    m_g.module[0].register_forward_hook(too_big_while_capturing)
+    step = graphstep.capture(_plain_step(m_g, o_g), model=m_g, optimizer=o_g)
+    eager = _plain_step(m_e, o_e)
+    losses_equal, errors = True, []
+    for i, (x, y) in enumerate(_mlp_data(distributed_warmups() + 6, device)):
+        want = eager(x, y)
+        try:
+            got = step(x, y)
+        except Exception as exc:  # nothing of the call is left: the same batch again (it captures)
+            errors.append({"call": i, "error": type(exc).__name__, "message": str(exc)})
+            got = step(x, y)
+        losses_equal = losses_equal and torch.equal(want, got)
+    report = {
+        "losses_equal": losses_equal,
+        "params_equal": all(torch.equal(p, q) for p, q in zip(m_e.parameters(), m_g.parameters())),
+        "errors": errors,
+        "backend": step.backend_name,
+    }
+    return _finish({**report, "stats": step.stats}, step)
+
+
+def distributed_warmups() -> int:
+    return graphstep.distributed.DDP_WARMUP_STEPS
+
+
+def one_rank_exits_mid_run(rank: int, size: int, *, leaving: int, at: str) -> dict:
+    """Rank `leaving` ends its process (as one killed for memory would) in the middle of a warm-up's
+    step (`at="warmup"`, before its backward: the others are about to all-reduce with it), of the
+    capture's (`"capture"`), or between two replays (`"replay"`). The others must raise within seconds,
+    not wait in a collective forever: `waited_s` is how long the failing call took."""
+    import os
+    import time
+
+    device = _device(rank)
+    model = _ddp(_mlp(device), device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    warmups = distributed_warmups()
+    exit_run = {"warmup": 3, "capture": warmups + 1}.get(at)  # the step function's run (1-based)
+    runs = iter(range(1, 1000))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if rank == leaving and next(runs) == exit_run:
+            os._exit(3)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    captured = graphstep.capture(step, model=model, optimizer=opt)
+    report: dict = {"call": None, "error": None, "message": "", "waited_s": None}
+    for i, (x, y) in enumerate(_mlp_data(warmups + 5, device)):
+        if rank == leaving and at == "replay" and i == warmups + 3:
+            os._exit(3)
+        start = time.monotonic()
+        try:
+            captured(x, y)
+        except Exception as exc:
+            report.update(
+                call=i, error=type(exc).__name__, message=str(exc), waited_s=time.monotonic() - start
+            )
+            break
+    report["stats"] = dataclasses.asdict(captured.stats)
+    # No close() nor destroy_process_group: NCCL's teardown waits for every rank, and one is gone.
+    return report
