@@ -87,9 +87,16 @@ def one_rank_exits_mid_run(rank: int, size: int, *, leaving: int, at: str) -> di
     exit_run = {"warmup": 3, "capture": warmups + 1}.get(at)  # the step function's run (1-based)
     runs = iter(range(1, 1000))
 
+    def leave() -> None:
+        # The NCCL work of its earlier calls ends first (so the others' ends too); a capture began with
+        # the device synchronised, and may not synchronise itself.
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(device)
+        os._exit(3)
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if rank == leaving and next(runs) == exit_run:
-            os._exit(3)
+            leave()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -100,7 +107,7 @@ def one_rank_exits_mid_run(rank: int, size: int, *, leaving: int, at: str) -> di
     report: dict = {"call": None, "error": None, "message": "", "waited_s": None}
     for i, (x, y) in enumerate(_mlp_data(warmups + 5, device)):
         if rank == leaving and at == "replay" and i == warmups + 3:
-            os._exit(3)
+            leave()
         start = time.monotonic()
         try:
             captured(x, y)
