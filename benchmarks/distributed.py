@@ -82,6 +82,10 @@ def main() -> None:
     warmup = DDP_WARMUP_STEPS + 5
     rows = []
     for kind in args.kinds.split(","):
+        if kind == "tp" and TINY.n_head % size:
+            if rank == 0:
+                print(f"tp skipped: {TINY.n_head} heads do not split over {size} ranks", flush=True)
+            continue
         mesh = mesh_2d("cuda") if kind in KINDS_2D else None
         # Tensor-parallel ranks share batches; on the 2-D mesh, ranks of one data-parallel index do.
         seed = 0 if kind == "tp" else mesh["dp"].get_local_rank() if mesh is not None else rank
