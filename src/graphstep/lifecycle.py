@@ -149,9 +149,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.gave_way_for: str | None = (
-            None  # the last capture gave way to a warm-up: "compile", "segments", "memory"
-        )
+        self.gave_way_for: str | None = None  # the last capture gave way to: "compile", "segments", "memory"
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
