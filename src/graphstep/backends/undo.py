@@ -1,6 +1,6 @@
 """`UndoLog`: remember every tensor a piece of code writes, so its writes can be taken back.
 
-A capture that executes the step (the eager and recording backends) and then fails must leave
+A capture that executes the step (the recording backend) and then fails must leave
 the model and optimizer as they were before the call. Under this dispatch mode each tensor
 is copied just before its first in-place or `out=` write; `roll_back()` copies them back.
 """
