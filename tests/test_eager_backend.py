@@ -41,7 +41,9 @@ class GatedConvNet(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 3, 16, 16)
         h = F.relu(self.bn(self.conv1(x)))
         h = self.frozen(self.conv2(h))
-        h = F.interpolate(h, scale_factor=2, mode="nearest") + F.interpolate(h, size=(16, 16), mode="bilinear")
+        h = F.interpolate(h, scale_factor=2, mode="nearest") + F.interpolate(
+            h, size=(16, 16), mode="bilinear"
+        )
         gate = torch.sigmoid(h.mean((2, 3))).prod(-1, keepdim=True)  # (B, 1): `prod`'s backward
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1)) * gate
 
