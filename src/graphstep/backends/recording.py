@@ -117,7 +117,10 @@ def _replay_ops(ops: list) -> None:
                 elif not isinstance(buffers, (list, tuple)):
                     continue
                 for buffer, value in zip(buffers, values):
-                    buffer.copy_(value)
+                    if buffer.layout == torch.sparse_coo:
+                        _refill_sparse(buffer, value)
+                    else:
+                        buffer.copy_(value)
 
 
 class RecordingBackend(HostBackend):
@@ -163,6 +166,19 @@ class RecordingBackend(HostBackend):
 
 def _nothing() -> None:
     pass
+
+
+def _refill_sparse(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """A sparse result written into the recorded one's own index and value memory, as a graph's kernels
+    write (`copy_` would give the recorded alias new memory, which the tensor it aliases, a sparse
+    gradient an eager segment reads, would never see)."""
+    if buffer._nnz() != value._nnz():
+        raise RuntimeError(
+            f"a sparse result holds {value._nnz()} entries in this replay and held {buffer._nnz()} at "
+            "capture: a graph holds fixed sizes (simulated by graphstep's recording backend)"
+        )
+    buffer._indices().copy_(value._indices())
+    buffer._values().copy_(value._values())
 
 
 _HOST_OP = object()

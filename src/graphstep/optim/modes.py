@@ -2,8 +2,9 @@
 
 An optimizer moves to an eager segment, once and for good, when its step would differ from what a
 graph bakes: `Config(optimizer_mode="eager")` from the start; in `"auto"`, before a capture when its
-step reads the host every call, its step changed Python values in warm-up or a scheduler will change
-a value it bakes, and after a capture when such a baked value changed. Graphs captured before a move are
+step reads the host every call, it updates parameters with sparse gradients, its step changed Python
+values in warm-up or a scheduler will change a value it bakes, and after a capture when such a baked
+value changed. Graphs captured before a move are
 out of date: `epoch` counts the moves, and a graph records the epoch it was captured in.
 """
 
@@ -107,12 +108,17 @@ class OptimizerModes:
         momentum) that changes a value it bakes. Only for backends that capture graphs: the eager
         backend runs every step eagerly already."""
         if self.mode == "graph" and self.graphs:
-            kept = [opt for opt in optimizers if self.observer.keeps_grads(opt)]
-            if kept:
-                raise UnsupportedOptimizerError(
-                    f'{type(kept[0]).__qualname__} cannot run in a graph (Config(optimizer_mode="graph")): '
-                    f'{self.observer.reason(kept[0])}. Use optimizer_mode="auto" or "eager".'
+            for opt in optimizers:
+                why = (
+                    self.observer.reason(opt)
+                    if self.observer.keeps_grads(opt)
+                    else self.adapter.sparse_grads(opt)
                 )
+                if why:
+                    raise UnsupportedOptimizerError(
+                        f'{type(opt).__qualname__} cannot run in a graph (Config(optimizer_mode="graph")): '
+                        f'{why}. Use optimizer_mode="auto" or "eager".'
+                    )
         if self.mode != "auto":
             return
         for opt in optimizers:
@@ -125,7 +131,7 @@ class OptimizerModes:
     def why_eager(self, opt: torch.optim.Optimizer, observer: StepObserver) -> str | None:
         """Why `opt`'s step must run as an eager segment from the start in "auto" mode (`observer`:
         what its step was seen to change), or None: it stays in the graph."""
-        why = self.adapter.eager_only(opt) or observer.reason(opt)
+        why = self.adapter.eager_only(opt) or self.adapter.sparse_grads(opt) or observer.reason(opt)
         for key in _scheduled_keys(opt):
             if not why and not self.adapter.can_stay_in_graph(opt, key):
                 why = f"a scheduler changes {key!r}, which it reads as a Python number"
