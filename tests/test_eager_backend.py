@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import break_models as bm
 import graphstep
+from cpu_common import TinyNet, batches
 from graphstep.demo.gpt import GPT, GPTConfig, make_batches
-from tests import break_models as bm
-from tests.cpu_common import TinyNet, batches
 
 STEPS = 5  # three warm-ups, the capture, one replay
 
