@@ -90,8 +90,7 @@ class OptimizerModes:
             if not self.is_eager(opt):
                 self.eager.append(opt)
                 log.warning(
-                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on; no re-capture "
-                    "will be needed when its hyperparameters change again. Why: %s",
+                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on. Why: %s",
                     self.step_name,
                     type(opt).__qualname__,
                     why,
@@ -134,7 +133,7 @@ class OptimizerModes:
         why = self.adapter.eager_only(opt) or self.adapter.sparse_grads(opt) or observer.reason(opt)
         for key in _scheduled_keys(opt):
             if not why and not self.adapter.can_stay_in_graph(opt, key):
-                why = f"a scheduler changes {key!r}, which it reads as a Python number"
+                why = f"a scheduler changes {key!r}, which it reads as a Python number; {_NO_RECAPTURE}"
         return why
 
     def explain(self, opt: torch.optim.Optimizer, observer: StepObserver) -> str:
@@ -161,13 +160,30 @@ class OptimizerModes:
             "the device; a hyperparameter it reads as a number moves it to an eager segment when it changes)"
         )
 
-    def movable(self, changes: Iterable[object]) -> list[torch.optim.Optimizer]:
-        """Optimizers whose baked hyperparameters are among a guard's `changes` and that may move
-        to an eager segment (`optimizer_mode="auto"`)."""
+    def move_for_changes(self, changes: Iterable[object]) -> bool:
+        """In `optimizer_mode="auto"`: each optimizer whose baked hyperparameters are among a guard's
+        `changes` moves to an eager segment, its log line naming the keys that changed and how (only
+        its own changes). True when one moved."""
         if self.mode != "auto":
-            return []
-        found = [getattr(c, "optimizer", None) for c in changes]
-        return [opt for opt in found if opt is not None]
+            return False
+        by_optimizer: dict[int, tuple[torch.optim.Optimizer, list]] = {}
+        for change in changes:
+            opt = getattr(change, "optimizer", None)
+            if opt is not None:
+                by_optimizer.setdefault(id(opt), (opt, []))[1].append(change)
+        for opt, own in by_optimizer.values():
+            keys = sorted({c.key for c in own if getattr(c, "key", None)})
+            named = ", ".join(repr(k) for k in keys) or "a param-group value"
+            listed = "\n".join(f"  - {c}" for c in own)
+            self.move_to_eager(
+                [opt],
+                f"{named} changed, which its step reads as a Python number (baked into the graph):\n"
+                f"{listed}\n({_NO_RECAPTURE})",
+            )
+        return bool(by_optimizer)
+
+
+_NO_RECAPTURE = "no re-capture will be needed when its hyperparameters change again"
 
 
 def _scheduled_keys(opt: torch.optim.Optimizer) -> list[str]:
