@@ -165,3 +165,27 @@ def test_a_dispatch_mode_would_change_the_conv_model():
 
     plain, moded = grads(False), grads(True)
     assert not all(torch.equal(a, b) for a, b in zip(plain, moded))
+
+
+def test_an_error_in_the_eager_backends_capture_call_is_raised_once_as_eager_raises_it():
+    """The eager backend's capture is an eager step under no undo log: an out-of-memory error there is
+    not retried as another warm-up (which would repeat what the failed step wrote), it is raised."""
+    torch.manual_seed(0)
+    model, opt, data, loss_of = _tiny()
+    seen = []
+    calls = iter(range(100))
+
+    def step(x, y):
+        seen.append(x)  # a write eager makes once per call (the eager backend watches none)
+        if next(calls) == 3:  # calls 0-2 warm up, call 3 is the capture
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=graphstep.Config(backend="eager"))
+    for x, y in data[:3]:
+        captured(x, y)
+    with pytest.raises(graphstep.errors.GraphStepError, match="out of memory"):
+        captured(*data[3])
+    assert len(seen) == 4, "the failed call ran once"
