@@ -135,8 +135,9 @@ def capture_variant(
             if isinstance(error, GraphStepError)
             else capture_error(ctx.name, error, ctx.state.named_modules_roots())
         )
-        if ctx.ranks is None and is_out_of_memory(error):
-            # Not a graph break or an optimizer to move: the same step fits once memory is free.
+        if ctx.ranks is None and backend.static_buffers and is_out_of_memory(error):
+            # Not a graph break or an optimizer to move: the same step fits once memory is free. (The
+            # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
             raise OutOfMemoryAtCapture(str(converted)) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.
