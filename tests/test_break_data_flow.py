@@ -1,0 +1,78 @@
+"""Graph breaks bitwise whatever the data flow around them, on the CPU recording backend: a tensor the
+break uses and the step uses outside it too (a residual, a post-norm block, a parameter passed in, one
+tensor passed twice, two breaks in a row, tied embedding weights). Each such tensor's gradient is a sum
+of several contributions, and float addition does not associate: these tests fail where the
+contributions are summed in another order than eager's (the values are chosen so that the order
+shows: float32, magnitudes spread over four decades, three or more contributions per gradient)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphstep
+from break_models import SharedNet, TiedLM
+
+STEPS = 6
+
+
+def recording() -> graphstep.Config:
+    return graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+
+
+def make_step(model, opt, loss_fn):
+    def step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def train(make, batches, loss_fn, *, marked):
+    torch.manual_seed(0)
+    model = make()
+    twin = copy.deepcopy(model)
+    o_e = torch.optim.SGD(twin.parameters(), lr=0.02, momentum=0.9)
+    o_g = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    for name in marked:
+        graphstep.eager_segment(model.get_submodule(name))
+    eager = make_step(twin, o_e, loss_fn)
+    step = graphstep.capture(make_step(model, o_g, loss_fn), model=model, optimizer=o_g, config=recording())
+    for i, (x, y) in enumerate(batches):
+        want, got = eager(x, y), step(x, y)
+        assert torch.equal(want, got), f"step {i}: loss {got} != eager {want}"
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), f"parameter {name} differs by {(p - q).abs().max()}"
+    assert step.stats.captures == 1, step.stats
+    return step
+
+
+def token_batches(n=STEPS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-2, 2, 12)  # magnitudes over four decades: sums that depend on their order
+    return [(torch.randn(16, 12, generator=g) * spread, torch.randn(16, 1, generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("breaks", ["auto", "marked"])
+@pytest.mark.parametrize("kind", ["residual", "postnorm", "twice", "param", "chain"])
+def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks):
+    make = lambda: SharedNet(kind, sync=breaks == "auto")  # noqa: E731
+    marked = [] if breaks == "auto" else [f"mix.{i}" for i in range(2)]
+    if kind == "chain" and breaks == "marked":
+        marked += [f"mix2.{i}" for i in range(2)]
+    step = train(make, token_batches(), torch.nn.functional.mse_loss, marked=marked)
+    assert step.stats.graph_breaks == (1 if breaks == "auto" else 0), step.stats
+
+
+@pytest.mark.parametrize("breaks", ["auto", "marked"])
+def test_tied_weights_used_inside_a_break_and_by_the_head_train_bitwise(breaks):
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 24, (16,), generator=g), torch.randint(0, 24, (16,), generator=g))]
+    batches = batches * STEPS  # the same tokens: a token's row gets many contributions every step
+    step = train(TiedLM, batches, torch.nn.functional.cross_entropy, marked=[] if breaks == "auto" else ["embed"])
+    assert step.stats.graph_breaks == (1 if breaks == "auto" else 0), step.stats
