@@ -183,7 +183,7 @@ class Mixer(torch.nn.Module):
             _host_read(h)
         out = self.a(h) * torch.sigmoid(self.b(h)) + h * 0.5
         for e in extra:  # another tensor used twice inside: a second input of the same tensor, say
-            out = out + e * h + e.exp()
+            out = out + e * h * 0.1 + torch.tanh(e)
         return out
 
 
@@ -193,7 +193,7 @@ class SharedNet(torch.nn.Module):
     residual  `h = h + mix(h)` (pre-norm absent: the shared input itself);
     postnorm  `h = norm(h + mix(h))` (BERT's block);
     twice     `h = h + mix(h, h)`: one tensor passed twice;
-    param     `h = mix(h, scale) * scale`: a parameter passed in, used twice inside and once after;
+    param     `h = norm(mix(h, scale)) * scale`: a parameter passed in, used twice inside and once after;
     chain     `h = h + mix2(mix(h), h)`: two breaks in a row, both reading `h`.
     Inputs are (tokens, dim): the linear layers take `h` itself, not a view of it."""
 
@@ -204,11 +204,11 @@ class SharedNet(torch.nn.Module):
         self.mix = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers))
         self.mix2 = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers if kind == "chain" else 0))
         self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
-        self.scale = torch.nn.Parameter(torch.rand(dim) * 3)
+        self.scale = torch.nn.Parameter(torch.logspace(-1, 1, dim))
         self.out = torch.nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x) * 4
+        h = self.inp(x)
         for i, (mix, norm) in enumerate(zip(self.mix, self.norms)):
             if self.kind == "residual":
                 h = h + mix(h)
@@ -217,7 +217,7 @@ class SharedNet(torch.nn.Module):
             elif self.kind == "twice":
                 h = h + mix(h, h)
             elif self.kind == "param":
-                h = mix(h, self.scale) * self.scale
+                h = norm(mix(h, self.scale)) * self.scale
             elif self.kind == "chain":
                 h = h + self.mix2[i](mix(h), h)
         return self.out(h)

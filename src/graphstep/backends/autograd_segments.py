@@ -45,7 +45,7 @@ from .. import signature as sig
 from ..errors import CaptureError, GraphStepError
 from ..guards.state_guard import SEGMENT_MARK
 from ..profiling import ranged
-from . import segments
+from . import grad_order, segments
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,6 +182,12 @@ class ForwardSegment:
     output_spec: Any
     output_requires: list[bool]
     amp: list[tuple[str, bool, torch.dtype]]
+    same: list[int] = dataclasses.field(default_factory=list)
+    """Per input: the first input that is the same tensor (one tensor passed twice is one leaf at
+    replay, as it is one tensor eagerly: its uses sum in one buffer, in eager's order)."""
+    keep: list[bool] = dataclasses.field(default_factory=list)
+    """Per input: a leaf that requires grad (a parameter passed in): the segment gets it itself, so
+    that its uses through the argument and through the module sum in one buffer."""
     backward: BackwardSegment | None = None
     differentiable: bool = True
     """Its results carry history at replay: the capture's backward reached the segment (`finish`)."""
@@ -194,10 +200,14 @@ class ForwardSegment:
         start = time.perf_counter()
         differentiable = self.differentiable
         with ranged("graphstep.eager_segment"), _autocast(self.amp), torch.set_grad_enabled(differentiable):
-            leaves = [
-                b.detach().requires_grad_(True) if r and differentiable else b
-                for b, r in zip(self.inputs, self.requires)
-            ]
+            leaves: list[torch.Tensor] = []
+            for i, (b, r) in enumerate(zip(self.inputs, self.requires)):
+                if self.same and self.same[i] != i:
+                    leaves.append(leaves[self.same[i]])
+                elif r and differentiable and not (self.keep and self.keep[i]):
+                    leaves.append(b.detach().requires_grad_(True))
+                else:
+                    leaves.append(b)
             args, kwargs = sig.unflatten(self.input_spec, leaves)
             results = segments.plainly(self.fn, args, kwargs)
         tensors, spec = sig.flatten(results)
@@ -233,6 +243,8 @@ class BackwardSegment:
     capture, so eager would have left it as it was, and graph C adds zero)."""
     amp: list[tuple[str, bool, torch.dtype]]
     name: str
+    seeds: list[list[torch.Tensor] | None] = dataclasses.field(default_factory=list)
+    """Per target: what users made after the segment gave it (`grad_order`), its sum's start."""
     host_s: float = 0.0
     """Host time of its last run."""
 
@@ -250,6 +262,11 @@ class BackwardSegment:
                 grads.append(g)
         inputs = [leaf for leaf, r in zip(leaves, fwd.requires) if r]
         targets = inputs + self.params
+        if any(self.seeds):
+            with torch.enable_grad():  # (at capture this runs inside autograd's backward)
+                taps, seeds = grad_order.seeded(targets, self.seeds)
+            outs += taps
+            grads += seeds
         with ranged("graphstep.eager_segment"), _autocast(self.amp):
             got = (
                 torch.autograd.grad(outs, targets, grads, allow_unused=True)
@@ -309,12 +326,22 @@ class _Plan:
     tensors: list[torch.Tensor]
     """What the boundary node takes: the tensor arguments, then the parameters the segment uses."""
     forward: ForwardSegment | None = None
+    order: grad_order.Order | None = None
+    """Its targets' users made after it (`grad_order`), once the boundary node exists."""
 
     def begin_forward(self, tensors: tuple) -> ForwardSegment:
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
-        inputs = [t.detach() for t in tensors[: self.n_inputs]]
+        given = tensors[: self.n_inputs]
+        same = [next(j for j in range(i + 1) if given[j] is t) for i, t in enumerate(given)]
+        keep = [t.is_leaf and t.requires_grad and not t._backward_hooks for t in given]
+        inputs = [t if k else t.detach() for t, k in zip(given, keep)]
+        requires = [t.requires_grad and r for t, r in zip(given, reach.inputs)]
+        for i, j in enumerate(same):  # one tensor passed twice: one target, the first
+            if j != i:
+                requires[j] = requires[j] or requires[i]
+                requires[i] = False
         outputs = [
             torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in self.seen.metas
         ]
@@ -323,11 +350,13 @@ class _Plan:
             self.name,
             self.input_spec,
             inputs,
-            [t.requires_grad and r for t, r in zip(tensors[: self.n_inputs], reach.inputs)],
+            requires,
             outputs,
             self.seen.spec,
             reach.outputs,
             _amp_state(),
+            same,
+            keep,
         )
         self.session.segments.append(fwd)
         if splitter.executes:  # the recording backend runs the step while it captures: the segment too
@@ -343,11 +372,13 @@ class _Plan:
                 "outside the captured step, or leave this piece out of segments."
             )
         fwd = self.forward
+        seeds = self._seeds()
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
         inputs = [t for t, r in zip(fwd.inputs, fwd.requires) if r]
-        params = reach.params + reach.idle
+        given = {id(t) for t in self.tensors[: self.n_inputs]}
+        params = reach.params + [p for p in reach.idle if id(p) not in given]
         slots: list[torch.Tensor | None] = [torch.empty_like(t) for t in inputs]
         zero_ok = [False] * len(inputs)
         for p in reach.params:
@@ -364,6 +395,7 @@ class _Plan:
             zero_ok,
             _amp_state(),
             self.name,
+            seeds,
         )
         fwd.backward = bwd
         self.session.segments.append(bwd)
@@ -374,6 +406,42 @@ class _Plan:
         grads = [next(by_input) if r else None for r in fwd.requires]
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
         return grads + [by_param.get(id(t)) for t in self.tensors[self.n_inputs :]]
+
+
+    def watch(self, outputs: tuple) -> None:
+        """After the boundary node exists: have the capture's backward find its targets' later users."""
+        node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
+        if node is None:
+            return
+        fwd, reach = self.forward, self.seen.reach
+        given = self.tensors[: self.n_inputs]
+        edges, labels = [], []
+        wanted = [(t, f"its argument {i} ({segments.describe([t])})") for i, t in enumerate(given) if fwd.requires[i]]
+        wanted += [(p, f"a parameter of shape {list(p.shape)} it uses") for p in reach.params]
+        for k, (t, label) in enumerate(wanted):
+            edges.append((k, torch.autograd.graph.get_gradient_edge(t)))
+            labels.append(label)
+        self.order = grad_order.Order(self.name, node, edges, labels)
+        watch = self.session.order
+        if not watch.installed:
+            self.session.exits.enter_context(watch.around_backwards())
+        watch.add(self.order)
+
+    def _seeds(self) -> list:
+        """Per target of the backward: what later users gave it (None where none did)."""
+        order = self.order
+        if order is None:
+            return []
+        self.session.order.done(order)
+        if not order.walked:
+            raise CaptureError(
+                f"the backward through the eager segment {self.name} did not start through "
+                "torch.autograd.backward or torch.autograd.grad, so graphstep could not find what else "
+                "uses its inputs, nor sum their gradients in eager's order. Call loss.backward() (or "
+                "torch.autograd.backward) in the step."
+            )
+        n = sum(self.forward.requires) + len(self.seen.reach.params)
+        return [order.early.get(k) for k in range(n)]
 
 
 def _split(
@@ -393,6 +461,8 @@ def _split(
     params = [p for p in reach.params + reach.idle if id(p) not in known]
     plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params)
     outputs = _Boundary.apply(plan, *inputs, *params)
+    if plan.forward is not None:
+        plan.watch(outputs)
     return sig.unflatten(seen.spec, list(outputs))
 
 

@@ -1,0 +1,177 @@
+"""Gradients summed in eager's order across an eager segment on the autograd path.
+
+Autograd's engine runs the nodes of a backward in descending sequence number (creation order,
+newest first: the node it runs is always the newest one still pending). A tensor's gradient is the
+sum of what each of its users gives it, added into the producer's input buffer in that order, one
+addition at a time: `((a + b) + c) + d`, which float arithmetic does not regroup.
+
+An eager segment is one node of the captured graph (`autograd_segments._Boundary`), created where
+the segment was called. Its backward runs the segment's own backward, where a tensor the segment
+uses several times gets those contributions summed first; the node then hands autograd one sum.
+Eager instead adds them one by one onto what the users made *after* the segment (a residual's add, a
+post-norm block's add, a tied head) already gave: `((after + s1) + s2)` against `after + (s1 + s2)`.
+Users made before the segment are no matter: they come after in both orders.
+
+So, at capture, when a backward starts (graphstep wraps autograd's entry, `torch.autograd.backward`
+and `grad`, for the capture), the graph is walked from its roots and every user of a segment's
+input or parameter made after the segment gets a hook that takes its contribution out of autograd's
+sum and hands it to the segment. The segment's backward starts that tensor's sum with them (a view
+of the tensor, made after the segment's nodes, runs first and gives it their sum), adds its own
+contributions in its own order, and hands autograd the whole: the additions eager makes, in eager's
+order, whatever count of uses each call makes. Where graphstep cannot see the whole graph (a
+`torch.autograd.grad` or `backward(inputs=...)` through a segment that needs it), it refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError
+
+
+@dataclasses.dataclass(eq=False)
+class Order:
+    """One segment call at capture: which tensors its backward gives gradients, and what users made
+    after it gave them before it ran."""
+
+    name: str
+    node: Any
+    """The segment's node in the captured autograd graph."""
+    edges: list[tuple[int, Any]]
+    """Per target (index into the segment backward's targets): the autograd edge its gradient goes to."""
+    labels: list[str]
+    """Per entry of `edges`: how an error names that tensor."""
+    early: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """Per target: the contributions of later users, in the order autograd gave them."""
+    walked: bool = False
+    """A backward graphstep walked reached this segment (its later users are known)."""
+
+
+class Watch:
+    """The segments of one capture whose backward has not run yet, and autograd's entry wrapped."""
+
+    def __init__(self) -> None:
+        self.pending: list[Order] = []
+        self.installed = False
+
+    def add(self, order: Order) -> None:
+        self.pending.append(order)
+
+    def done(self, order: Order) -> None:
+        if order in self.pending:
+            self.pending.remove(order)
+
+    @contextlib.contextmanager
+    def around_backwards(self) -> Iterator[None]:
+        """While capturing: every backward that starts through torch.autograd walks its graph first."""
+        import torch.autograd.graph as graph_module
+
+        original = torch.autograd._engine_run_backward
+
+        def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            handles = self._walk(t_outputs, _whole(args, kwargs)) if self.pending else []
+            try:
+                return original(t_outputs, *args, **kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+        torch.autograd._engine_run_backward = run_backward
+        graph_module._engine_run_backward = run_backward
+        self.installed = True
+        try:
+            yield
+        finally:
+            torch.autograd._engine_run_backward = original
+            graph_module._engine_run_backward = original
+            self.installed = False
+
+    def _walk(self, roots: Any, whole: bool) -> list:
+        by_edge: dict[tuple[Any, int], list[tuple[Order, int, int]]] = {}
+        for order in self.pending:
+            for j, (k, edge) in enumerate(order.edges):
+                by_edge.setdefault((edge.node, edge.output_nr), []).append((order, k, j))
+        users: list[tuple[Any, int, list[tuple[Order, int, int]]]] = []
+        seen: set = set()
+        todo = [_node_of(t) for t in (roots if isinstance(roots, (list, tuple)) else [roots])]
+        todo = [n for n in todo if n is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for i, (child, nr) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                todo.append(child)
+                if (child, nr) in by_edge:
+                    users.append((node, i, by_edge[(child, nr)]))
+        for order in self.pending:
+            order.walked = order.walked or order.node in seen
+        # A later user's contribution goes to the segment autograd runs next after it (the newest
+        # older one that this backward runs): that one hands it on, in its own sum, to older ones.
+        later: dict[Any, list[tuple[Order, int, int, int]]] = {}
+        for node, i, candidates in users:
+            seq = node._sequence_nr()
+            older = [
+                c for c in candidates if c[0].node in seen and c[0].node is not node and c[0].node._sequence_nr() < seq
+            ]
+            if older:
+                order, k, j = max(older, key=lambda c: c[0].node._sequence_nr())
+                later.setdefault(node, []).append((order, k, i, j))
+        if later and not whole:
+            order, _, _, j = next(iter(later.values()))[0]
+            raise CaptureError(
+                f"a backward through the eager segment {order.name} computes only some gradients "
+                f"(torch.autograd.grad, or backward(inputs=...)), and {order.labels[j]} is used after the "
+                "segment as well: its gradient could not be summed in eager's order. Call backward() "
+                "on the loss, or keep the later use of that tensor inside the segment."
+            )
+        return [node.register_hook(_taking(entries)) for node, entries in later.items()]
+
+
+def _taking(entries: list[tuple[Order, int, int, int]]) -> Any:
+    """A node hook that takes the node's contributions to segment targets out of autograd's sum."""
+
+    def hook(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        grads = list(grad_inputs)
+        for order, k, i, _ in entries:
+            if grads[i] is not None:
+                order.early.setdefault(k, []).append(grads[i])
+                grads[i] = None
+        return tuple(grads)
+
+    return hook
+
+
+def _whole(args: tuple, kwargs: dict) -> bool:
+    """The backward accumulates into every leaf (backward(), not grad() or inputs=...)."""
+    inputs = args[3] if len(args) > 3 else kwargs.get("inputs")
+    accumulate = args[5] if len(args) > 5 else kwargs.get("accumulate_grad", True)
+    return bool(accumulate) and not inputs
+
+
+def _node_of(root: Any) -> Any:
+    if isinstance(root, torch.Tensor):
+        return torch.autograd.graph.get_gradient_edge(root).node if root.requires_grad else None
+    return getattr(root, "node", None)  # a GradientEdge
+
+
+def seeded(targets: list[torch.Tensor], seeds: list[list[torch.Tensor] | None]) -> tuple[list, list]:
+    """In the segment's backward: views of the targets that have seeds, made now (after every node of
+    the segment, so autograd runs them first), and their gradients: each target's seeds summed in the
+    order autograd gave them, as its input buffer would have."""
+    taps, grads = [], []
+    for target, seed in zip(targets, seeds):
+        if seed:
+            total = seed[0]
+            for more in seed[1:]:
+                total = total + more
+            taps.append(target.view_as(target))
+            grads.append(total)
+    return taps, grads
