@@ -79,5 +79,7 @@ def test_tied_weights_used_inside_a_break_and_by_the_head_train_bitwise(breaks):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 24, (16,), generator=g), torch.randint(0, 24, (16,), generator=g))]
     batches = batches * STEPS  # the same tokens: a token's row gets many contributions every step
-    step = train(TiedLM, batches, torch.nn.functional.cross_entropy, marked=[] if breaks == "auto" else ["embed"])
+    step = train(
+        TiedLM, batches, torch.nn.functional.cross_entropy, marked=[] if breaks == "auto" else ["embed"]
+    )
     assert step.stats.graph_breaks == (1 if breaks == "auto" else 0), step.stats

@@ -17,8 +17,8 @@ parameters are copied into buffers graph C reads. The parameters' gradients reac
 boundary node, in graph C, exactly where eager's autograd would accumulate them (so DDP's gradient
 hooks and a `.grad` that accumulates are captured as usual).
 
-Bitwise: the segment's own arithmetic is eager's; a gradient that several of the segment's operations
-give one input is summed inside the segment in the order autograd sums it eagerly. Random draws in
+Bitwise: the segment's own arithmetic is eager's; each gradient of an input or parameter is summed
+in eager's order, with what users outside the segment give it too (`grad_order.py`). Random draws in
 the segment take the generator's offsets between the graphs', in eager order.
 
 What a replay cannot follow raises rather than guess: results of another structure, shape, dtype or
@@ -161,8 +161,7 @@ def _reach(name: str, inputs: list, outputs: list, first: int, module: Any) -> R
                 "gradient is computed in the segment and accumulated in the graph after it, where the "
                 "hook would run twice. Register the hook on the module's output instead."
             )
-    inputs_in_params = {id(t) for t in inputs}
-    used = [p for p in used if id(p) not in inputs_in_params]
+    used = [p for p in used if all(p is not t for t in inputs)]
     return Reach(reached, used, idle, [t.requires_grad for t in outputs])
 
 
@@ -182,12 +181,8 @@ class ForwardSegment:
     output_spec: Any
     output_requires: list[bool]
     amp: list[tuple[str, bool, torch.dtype]]
-    same: list[int] = dataclasses.field(default_factory=list)
-    """Per input: the first input that is the same tensor (one tensor passed twice is one leaf at
-    replay, as it is one tensor eagerly: its uses sum in one buffer, in eager's order)."""
-    keep: list[bool] = dataclasses.field(default_factory=list)
-    """Per input: a leaf that requires grad (a parameter passed in): the segment gets it itself, so
-    that its uses through the argument and through the module sum in one buffer."""
+    arguments: grad_order.Arguments | None = None
+    """Which inputs are one tensor, and which are leaves it gets as they are (`grad_order`)."""
     backward: BackwardSegment | None = None
     differentiable: bool = True
     """Its results carry history at replay: the capture's backward reached the segment (`finish`)."""
@@ -200,14 +195,7 @@ class ForwardSegment:
         start = time.perf_counter()
         differentiable = self.differentiable
         with ranged("graphstep.eager_segment"), _autocast(self.amp), torch.set_grad_enabled(differentiable):
-            leaves: list[torch.Tensor] = []
-            for i, (b, r) in enumerate(zip(self.inputs, self.requires)):
-                if self.same and self.same[i] != i:
-                    leaves.append(leaves[self.same[i]])
-                elif r and differentiable and not (self.keep and self.keep[i]):
-                    leaves.append(b.detach().requires_grad_(True))
-                else:
-                    leaves.append(b)
+            leaves = self.arguments.leaves(self.inputs, self.requires, differentiable)
             args, kwargs = sig.unflatten(self.input_spec, leaves)
             results = segments.plainly(self.fn, args, kwargs)
         tensors, spec = sig.flatten(results)
@@ -262,11 +250,8 @@ class BackwardSegment:
                 grads.append(g)
         inputs = [leaf for leaf, r in zip(leaves, fwd.requires) if r]
         targets = inputs + self.params
-        if any(self.seeds):
-            with torch.enable_grad():  # (at capture this runs inside autograd's backward)
-                taps, seeds = grad_order.seeded(targets, self.seeds)
-            outs += taps
-            grads += seeds
+        taps, seeds = grad_order.seeded(targets, self.seeds)  # later users' part: first in each sum
+        outs, grads = outs + taps, grads + seeds
         with ranged("graphstep.eager_segment"), _autocast(self.amp):
             got = (
                 torch.autograd.grad(outs, targets, grads, allow_unused=True)
@@ -333,15 +318,7 @@ class _Plan:
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
-        given = tensors[: self.n_inputs]
-        same = [next(j for j in range(i + 1) if given[j] is t) for i, t in enumerate(given)]
-        keep = [t.is_leaf and t.requires_grad and not t._backward_hooks for t in given]
-        inputs = [t if k else t.detach() for t, k in zip(given, keep)]
-        requires = [t.requires_grad and r for t, r in zip(given, reach.inputs)]
-        for i, j in enumerate(same):  # one tensor passed twice: one target, the first
-            if j != i:
-                requires[j] = requires[j] or requires[i]
-                requires[i] = False
+        arguments, inputs, requires = grad_order.Arguments.of(tensors[: self.n_inputs], reach.inputs)
         outputs = [
             torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in self.seen.metas
         ]
@@ -355,8 +332,7 @@ class _Plan:
             self.seen.spec,
             reach.outputs,
             _amp_state(),
-            same,
-            keep,
+            arguments,
         )
         self.session.segments.append(fwd)
         if splitter.executes:  # the recording backend runs the step while it captures: the segment too
@@ -372,7 +348,7 @@ class _Plan:
                 "outside the captured step, or leave this piece out of segments."
             )
         fwd = self.forward
-        seeds = self._seeds()
+        seeds = [] if self.order is None else self.session.order.seeds(self.order)
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
@@ -407,41 +383,15 @@ class _Plan:
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
         return grads + [by_param.get(id(t)) for t in self.tensors[self.n_inputs :]]
 
-
     def watch(self, outputs: tuple) -> None:
         """After the boundary node exists: have the capture's backward find its targets' later users."""
         node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
-        if node is None:
-            return
-        fwd, reach = self.forward, self.seen.reach
-        given = self.tensors[: self.n_inputs]
-        edges, labels = [], []
-        wanted = [(t, f"its argument {i} ({segments.describe([t])})") for i, t in enumerate(given) if fwd.requires[i]]
-        wanted += [(p, f"a parameter of shape {list(p.shape)} it uses") for p in reach.params]
-        for k, (t, label) in enumerate(wanted):
-            edges.append((k, torch.autograd.graph.get_gradient_edge(t)))
-            labels.append(label)
-        self.order = grad_order.Order(self.name, node, edges, labels)
-        watch = self.session.order
-        if not watch.installed:
-            self.session.exits.enter_context(watch.around_backwards())
-        watch.add(self.order)
-
-    def _seeds(self) -> list:
-        """Per target of the backward: what later users gave it (None where none did)."""
-        order = self.order
-        if order is None:
-            return []
-        self.session.order.done(order)
-        if not order.walked:
-            raise CaptureError(
-                f"the backward through the eager segment {self.name} did not start through "
-                "torch.autograd.backward or torch.autograd.grad, so graphstep could not find what else "
-                "uses its inputs, nor sum their gradients in eager's order. Call loss.backward() (or "
-                "torch.autograd.backward) in the step."
-            )
-        n = sum(self.forward.requires) + len(self.seen.reach.params)
-        return [order.early.get(k) for k in range(n)]
+        if node is not None:
+            given = self.tensors[: self.n_inputs]
+            wanted = [(t, f"its argument {i} ({segments.describe([t])})") for i, t in enumerate(given)]
+            wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
+            wanted += [(p, f"a parameter of shape {list(p.shape)} it uses") for p in self.seen.reach.params]
+            self.order = self.session.order.follow(self.name, node, wanted)
 
 
 def _split(

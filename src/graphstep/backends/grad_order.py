@@ -55,16 +55,34 @@ class Order:
 class Watch:
     """The segments of one capture whose backward has not run yet, and autograd's entry wrapped."""
 
-    def __init__(self) -> None:
+    def __init__(self, exits: contextlib.ExitStack):
         self.pending: list[Order] = []
         self.installed = False
+        self.exits = exits
+        """The capture's: autograd's entry is wrapped from the first segment to the capture's end."""
 
-    def add(self, order: Order) -> None:
+    def follow(self, name: str, node: Any, targets: list[tuple[torch.Tensor, str]]) -> Order:
+        """A segment's boundary `node` was made: its `targets` (tensor, how an error names it), in the
+        order its backward gives them gradients, get their later users found when a backward starts."""
+        edges = [(k, torch.autograd.graph.get_gradient_edge(t)) for k, (t, _) in enumerate(targets)]
+        order = Order(name, node, edges, [label for _, label in targets])
+        if not self.installed:
+            self.exits.enter_context(self.around_backwards())
         self.pending.append(order)
+        return order
 
-    def done(self, order: Order) -> None:
+    def seeds(self, order: Order) -> list[list[torch.Tensor] | None]:
+        """When the segment's backward is reached at capture: per target, what later users gave it."""
         if order in self.pending:
             self.pending.remove(order)
+        if not order.walked:
+            raise CaptureError(
+                f"the backward through the eager segment {order.name} did not start through "
+                "torch.autograd.backward or torch.autograd.grad, so graphstep could not find what else "
+                "uses its inputs, nor sum their gradients in eager's order. Call loss.backward() (or "
+                "torch.autograd.backward) in the step."
+            )
+        return [order.early.get(k) for k in range(len(order.edges))]
 
     @contextlib.contextmanager
     def around_backwards(self) -> Iterator[None]:
@@ -119,7 +137,9 @@ class Watch:
         for node, i, candidates in users:
             seq = node._sequence_nr()
             older = [
-                c for c in candidates if c[0].node in seen and c[0].node is not node and c[0].node._sequence_nr() < seq
+                c
+                for c in candidates
+                if c[0].node in seen and c[0].node is not node and c[0].node._sequence_nr() < seq
             ]
             if older:
                 order, k, j = max(older, key=lambda c: c[0].node._sequence_nr())
@@ -162,6 +182,42 @@ def _node_of(root: Any) -> Any:
     return getattr(root, "node", None)  # a GradientEdge
 
 
+@dataclasses.dataclass(eq=False)
+class Arguments:
+    """How a segment's tensor arguments become the leaves its body gets at replay, so that each
+    tensor's uses inside sum in one buffer, as they do eagerly."""
+
+    same: list[int]
+    """Per argument: the first that is the same tensor (one tensor passed twice is one leaf)."""
+    keep: list[bool]
+    """Per argument: a leaf that requires grad (a parameter passed in), given as it is: its uses
+    through the argument and through the module it also reads it from sum together."""
+
+    @classmethod
+    def of(cls, given: list[torch.Tensor], reached: list[bool]) -> tuple[Arguments, list, list[bool]]:
+        """At capture: the arguments, the buffers a replay reads, and which ones get a gradient (one
+        tensor passed twice: its first place)."""
+        same = [next(j for j in range(i + 1) if given[j] is t) for i, t in enumerate(given)]
+        keep = [t.is_leaf and t.requires_grad and not t._backward_hooks for t in given]
+        requires = [t.requires_grad and r for t, r in zip(given, reached)]
+        for i, j in enumerate(same):
+            if j != i:
+                requires[j], requires[i] = requires[j] or requires[i], False
+        buffers = [t if k else t.detach() for t, k in zip(given, keep)]
+        return cls(same, keep), buffers, requires
+
+    def leaves(self, buffers: list, requires: list[bool], differentiable: bool) -> list[torch.Tensor]:
+        leaves: list[torch.Tensor] = []
+        for i, (b, r) in enumerate(zip(buffers, requires)):
+            if self.same[i] != i:
+                leaves.append(leaves[self.same[i]])
+            elif r and differentiable and not self.keep[i]:
+                leaves.append(b.detach().requires_grad_(True))
+            else:
+                leaves.append(b)
+        return leaves
+
+
 def seeded(targets: list[torch.Tensor], seeds: list[list[torch.Tensor] | None]) -> tuple[list, list]:
     """In the segment's backward: views of the targets that have seeds, made now (after every node of
     the segment, so autograd runs them first), and their gradients: each target's seeds summed in the
@@ -172,6 +228,7 @@ def seeded(targets: list[torch.Tensor], seeds: list[list[torch.Tensor] | None]) 
             total = seed[0]
             for more in seed[1:]:
                 total = total + more
-            taps.append(target.view_as(target))
+            with torch.enable_grad():  # (at capture this runs inside autograd's backward)
+                taps.append(target.view_as(target))
             grads.append(total)
     return taps, grads

@@ -134,10 +134,10 @@ class Capture:
         self.params = params
         self.seen = iter(seen)
         self.segments: list[Segment] = []
-        self.order = grad_order.Watch()
-        """Segments on the autograd path whose gradients must be summed in eager's order."""
         self.exits = contextlib.ExitStack()
         """What the capture's end undoes (autograd's entry, wrapped for `order`)."""
+        self.order = grad_order.Watch(self.exits)
+        """Segments on the autograd path whose gradients must be summed in eager's order."""
 
 
 _PLAIN: Any = object()
