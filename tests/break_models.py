@@ -250,3 +250,35 @@ class TiedLM(torch.nn.Module):
         h = self.embed(ids)
         h = h + torch.tanh(self.mid(h))
         return F.linear(h, self.emb.weight)  # logits through the same table
+
+
+class Project(torch.nn.Module):
+    """A linear layer applied twice (its weight cast twice under autocast), with a host read."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        _host_read(h)
+        return self.lin(h) + self.lin(h * 0.5)
+
+
+class SharedWeightNet(torch.nn.Module):
+    """The break's weight also used outside it, `where` ("before" or "after" the break): under
+    autocast both uses cast the same parameter."""
+
+    def __init__(self, where: str, dim: int = 12):
+        super().__init__()
+        self.where = where
+        self.inp = torch.nn.Linear(dim, dim)
+        self.project = Project(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.where == "before":
+            h = F.linear(h, self.project.lin.weight)
+        h = self.project(h)
+        if self.where == "after":
+            h = F.linear(h, self.project.lin.weight)
+        return h.float().sum(-1, keepdim=True)

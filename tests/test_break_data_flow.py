@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graphstep
-from break_models import SharedNet, TiedLM
+from break_models import SharedNet, SharedWeightNet, TiedLM
 
 STEPS = 6
 
@@ -22,9 +22,12 @@ def recording() -> graphstep.Config:
     return graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
 
 
-def make_step(model, opt, loss_fn):
+def make_step(model, opt, loss_fn, amp=None):
     def step(x, y):
-        loss = loss_fn(model(x), y)
+        with torch.autocast(
+            "cpu", dtype=torch.bfloat16, enabled=amp is not None, cache_enabled=amp != "nocache"
+        ):
+            loss = loss_fn(model(x), y)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
@@ -34,7 +37,7 @@ def make_step(model, opt, loss_fn):
     return step
 
 
-def train(make, batches, loss_fn, *, marked):
+def train(make, batches, loss_fn, *, marked, amp=None):
     torch.manual_seed(0)
     model = make()
     twin = copy.deepcopy(model)
@@ -42,8 +45,10 @@ def train(make, batches, loss_fn, *, marked):
     o_g = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     for name in marked:
         graphstep.eager_segment(model.get_submodule(name))
-    eager = make_step(twin, o_e, loss_fn)
-    step = graphstep.capture(make_step(model, o_g, loss_fn), model=model, optimizer=o_g, config=recording())
+    eager = make_step(twin, o_e, loss_fn, amp)
+    step = graphstep.capture(
+        make_step(model, o_g, loss_fn, amp), model=model, optimizer=o_g, config=recording()
+    )
     for i, (x, y) in enumerate(batches):
         (want, want_grads), (got, got_grads) = eager(x, y), step(x, y)
         assert torch.equal(want, got), f"step {i}: loss {got} != eager {want}"
@@ -83,3 +88,46 @@ def test_tied_weights_used_inside_a_break_and_by_the_head_train_bitwise(breaks):
         TiedLM, batches, torch.nn.functional.cross_entropy, marked=[] if breaks == "auto" else ["embed"]
     )
     assert step.stats.graph_breaks == (1 if breaks == "auto" else 0), step.stats
+
+
+def test_a_partial_backward_through_a_break_whose_input_is_used_after_it_is_refused_naming_it():
+    """torch.autograd.grad computes some gradients only: graphstep does not take later users'
+    contributions out of a sum it cannot see whole, and says which tensor and what to do."""
+    torch.manual_seed(0)
+    model = SharedNet("residual", sync=False)
+    for mix in model.mix:
+        graphstep.eager_segment(mix)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+
+    def step_fn(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    entry = torch.autograd._engine_run_backward
+    step = graphstep.capture(step_fn, model=model, optimizer=opt, config=recording())
+    with pytest.raises(
+        graphstep.errors.CaptureError, match=r"argument 0 \(torch.float32\[16, 12\]\).*backward\(\)"
+    ):
+        for x, y in token_batches(3):
+            step(x, y)
+    assert torch.autograd._engine_run_backward is entry  # autograd's entry as it was
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_weight_cast_by_autocast_inside_a_break_and_outside_it(where):
+    """Under autocast with its cache (the default) both uses of the weight share one cached cast
+    eagerly, which a segment cannot: refused, naming the parameter and the way out. With the cache
+    off each use casts anew, and the gradient sums in eager's order."""
+    make = lambda: SharedWeightNet(where)  # noqa: E731
+    mse = torch.nn.functional.mse_loss
+    with pytest.raises(
+        graphstep.errors.CaptureError, match=r"parameter of shape \[12, 12\].*cache_enabled=False"
+    ):
+        train(make, token_batches(), mse, marked=[], amp="cache")
+    step = train(make, token_batches(), mse, marked=[], amp="nocache")
+    assert step.stats.graph_breaks == 1

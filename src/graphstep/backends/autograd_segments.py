@@ -48,20 +48,6 @@ from ..profiling import ranged
 from . import grad_order, segments
 
 
-@dataclasses.dataclass(eq=False)
-class Reach:
-    """What a segment's autograd graph reached in a warm-up."""
-
-    inputs: list[bool]
-    """Per tensor argument: its gradient depends on the segment's results."""
-    params: list[torch.Tensor]
-    """Leaves that require grad (parameters) the segment used."""
-    idle: list[torch.Tensor]
-    """The segment module's parameters it did not use this time (an expert no token reached)."""
-    outputs: list[bool]
-    """Per result tensor: it requires grad."""
-
-
 @torch.compiler.disable  # a compiled model around a segment: dynamo breaks its graph here, never traces it
 def run(fn: Callable, args: tuple, kwargs: dict, name: str, module: torch.nn.Module | None = None) -> Any:
     """Call `fn` (a module's forward when `module` is given) as an eager segment whose results may
@@ -104,7 +90,7 @@ def _warm_up(
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         session.seen.append(segments.Seen(name, spec, metas))
         return results
-    reach = _reach(name, inputs, tensors, first, module)
+    reach = grad_order.reach(name, inputs, tensors, first, module)
     session.seen.append(segments.Seen(name, spec, metas, reach))
     return results
 
@@ -112,57 +98,6 @@ def _warm_up(
 def _next_sequence_number() -> int:
     """The sequence number autograd gives the next node made on this thread."""
     return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
-
-
-def _reach(name: str, inputs: list, outputs: list, first: int, module: Any) -> Reach:
-    """Walk the segment's part of autograd's graph, from its results down to its inputs."""
-    edges = {}
-    for i, t in enumerate(inputs):
-        if t.requires_grad:
-            edge = torch.autograd.graph.get_gradient_edge(t)
-            edges[(edge.node, edge.output_nr)] = i
-    input_nodes = {node for node, _ in edges}
-    reached = [False] * len(inputs)
-    leaves: dict[int, torch.Tensor] = {}
-    seen: set = set()
-    todo = [
-        (e.node, e.output_nr)
-        for t in outputs
-        if t.requires_grad
-        for e in [torch.autograd.graph.get_gradient_edge(t)]
-    ]
-    while todo:
-        node, nr = todo.pop()
-        if (node, nr) in edges:
-            reached[edges[(node, nr)]] = True
-            continue
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad: a leaf the segment used
-            leaves[id(variable)] = variable
-            continue
-        if node in input_nodes or node._sequence_nr() < first:
-            raise CaptureError(
-                f"the eager segment {name} uses a tensor with autograd history that is not one of its "
-                "arguments (made before the segment, e.g. kept on a module or in a closure). Its backward "
-                "runs apart from the graphs', so every tensor with history must come in as an argument."
-            )
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend((n, i) for n, i in node.next_functions if n is not None)
-    used = list(leaves.values())
-    idle = []
-    if module is not None:
-        idle = [p for p in module.parameters() if p.requires_grad and id(p) not in leaves]
-    for p in used + idle:
-        if p._backward_hooks:
-            raise CaptureError(
-                f"a parameter of the eager segment {name} has a gradient hook (`register_hook`); its "
-                "gradient is computed in the segment and accumulated in the graph after it, where the "
-                "hook would run twice. Register the hook on the module's output instead."
-            )
-    used = [p for p in used if all(p is not t for t in inputs)]
-    return Reach(reached, used, idle, [t.requires_grad for t in outputs])
 
 
 # -- at capture ---------------------------------------------------------------------------------------
@@ -180,7 +115,7 @@ class ForwardSegment:
     outputs: list[torch.Tensor]
     output_spec: Any
     output_requires: list[bool]
-    amp: list[tuple[str, bool, torch.dtype]]
+    amp: list[tuple[str, bool, torch.dtype, bool]]
     arguments: grad_order.Arguments | None = None
     """Which inputs are one tensor, and which are leaves it gets as they are (`grad_order`)."""
     backward: BackwardSegment | None = None
@@ -229,7 +164,7 @@ class BackwardSegment:
     zero_ok: list[bool]
     """Per target: a missing gradient is exactly a zero one (the parameter's `.grad` existed at
     capture, so eager would have left it as it was, and graph C adds zero)."""
-    amp: list[tuple[str, bool, torch.dtype]]
+    amp: list[tuple[str, bool, torch.dtype, bool]]
     name: str
     seeds: list[list[torch.Tensor] | None] = dataclasses.field(default_factory=list)
     """Per target: what users made after the segment gave it (`grad_order`), its sum's start."""
@@ -388,10 +323,10 @@ class _Plan:
         node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
         if node is not None:
             given = self.tensors[: self.n_inputs]
-            wanted = [(t, f"its argument {i} ({segments.describe([t])})") for i, t in enumerate(given)]
+            wanted = [(t, f"its argument {i} {segments.describe([t])}") for i, t in enumerate(given)]
             wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
-            wanted += [(p, f"a parameter of shape {list(p.shape)} it uses") for p in self.seen.reach.params]
-            self.order = self.session.order.follow(self.name, node, wanted)
+            wanted += [(p, f"its parameter of shape {list(p.shape)}") for p in self.seen.reach.params]
+            self.order = self.session.order.follow(self.name, node, wanted, self.seen.reach.casts)
 
 
 def _split(
@@ -484,15 +419,16 @@ def _devices() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-def _amp_state() -> list[tuple[str, bool, torch.dtype]]:
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _devices()]
+def _amp_state() -> list[tuple[str, bool, torch.dtype, bool]]:
+    cache = torch.is_autocast_cache_enabled()  # off: each use casts a parameter anew, inside as well
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), cache) for d in _devices()]
 
 
 @contextlib.contextmanager
-def _autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+def _autocast(state: list[tuple[str, bool, torch.dtype, bool]]) -> Iterator[None]:
     """Autocast as it was where the capture reached the segment: a replay runs none of the step's Python."""
     with contextlib.ExitStack() as stack:
-        for device, enabled, dtype in state:
+        for device, enabled, dtype, cache in state:
             if enabled or torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
         yield

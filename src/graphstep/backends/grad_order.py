@@ -35,6 +35,101 @@ from ..errors import CaptureError
 
 
 @dataclasses.dataclass(eq=False)
+class Reach:
+    """What a segment's autograd graph reached in a warm-up."""
+
+    inputs: list[bool]
+    """Per tensor argument: its gradient depends on the segment's results."""
+    params: list[torch.Tensor]
+    """Leaves that require grad (parameters) the segment used."""
+    idle: list[torch.Tensor]
+    """The segment module's parameters it did not use this time (an expert no token reached)."""
+    outputs: list[bool]
+    """Per result tensor: it requires grad."""
+    casts: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Parameters it used through autocast's cached cast: eagerly, a use outside the segment under the
+    same autocast shares that cast (one node, one sum in the low precision), which no split can."""
+
+
+def reach(name: str, inputs: list, outputs: list, first: int, module: Any) -> Reach:
+    """Walk the segment's part of autograd's graph, from its results down to its inputs."""
+    edges = {}
+    for i, t in enumerate(inputs):
+        if t.requires_grad:
+            edge = torch.autograd.graph.get_gradient_edge(t)
+            edges[(edge.node, edge.output_nr)] = i
+    input_nodes = {node for node, _ in edges}
+    reached = [False] * len(inputs)
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set = set()
+    casts: set = set()
+    todo = [
+        (e.node, e.output_nr)
+        for t in outputs
+        if t.requires_grad
+        for e in [torch.autograd.graph.get_gradient_edge(t)]
+    ]
+    while todo:
+        node, nr = todo.pop()
+        if (node, nr) in edges:
+            reached[edges[(node, nr)]] = True
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf the segment used
+            leaves[id(variable)] = variable
+            continue
+        if node in input_nodes or node._sequence_nr() < first:
+            _cast_before(name, node)
+            raise CaptureError(
+                f"the eager segment {name} uses a tensor with autograd history that is not one of its "
+                "arguments (made before the segment, e.g. kept on a module or in a closure). Its backward "
+                "runs apart from the graphs', so every tensor with history must come in as an argument."
+            )
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend((n, i) for n, i in node.next_functions if n is not None)
+        if type(node).__name__ == "ToCopyBackward0" and _cached_casts():
+            casts.update(
+                (id(n.variable), n.variable) for n, _ in node.next_functions if hasattr(n, "variable")
+            )
+    used = list(leaves.values())
+    idle = []
+    if module is not None:
+        idle = [p for p in module.parameters() if p.requires_grad and id(p) not in leaves]
+    for p in used + idle:
+        if p._backward_hooks:
+            raise CaptureError(
+                f"a parameter of the eager segment {name} has a gradient hook (`register_hook`); its "
+                "gradient is computed in the segment and accumulated in the graph after it, where the "
+                "hook would run twice. Register the hook on the module's output instead."
+            )
+    used = [p for p in used if all(p is not t for t in inputs)]
+    return Reach(reached, used, idle, [t.requires_grad for t in outputs], [p for _, p in casts])
+
+
+def _cached_casts() -> bool:
+    """Autocast is on, with its cache of parameters' casts, where the segment runs eagerly."""
+    return torch.is_autocast_cache_enabled() and any(
+        torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if d == "cpu" or torch.cuda.is_available()
+    )
+
+
+def _cast_before(name: str, node: Any) -> None:
+    """A tensor with history from before the segment that is autocast's cast of a parameter: the
+    parameter is used under autocast before the segment too, and the segment got its cached cast."""
+    leaves = [n.variable for n, _ in node.next_functions if hasattr(n, "variable")]
+    if type(node).__name__ == "ToCopyBackward0" and leaves:
+        raise CaptureError(
+            f"the eager segment {name} uses a parameter of shape {list(leaves[0].shape)} that the step "
+            "also uses before the segment under "
+            "autocast: eagerly both uses share autocast's cached cast of it (one gradient, summed in low "
+            "precision), which a segment run between graphs cannot share. Turn the cache off "
+            "(`torch.autocast(..., cache_enabled=False)`), or keep both uses on one side of the segment."
+        )
+
+
+@dataclasses.dataclass(eq=False)
 class Order:
     """One segment call at capture: which tensors its backward gives gradients, and what users made
     after it gave them before it ran."""
@@ -50,6 +145,8 @@ class Order:
     """Per target: the contributions of later users, in the order autograd gave them."""
     walked: bool = False
     """A backward graphstep walked reached this segment (its later users are known)."""
+    casts: set[int] = dataclasses.field(default_factory=set)
+    """Targets the segment used through autocast's cached cast (`Reach.casts`)."""
 
 
 class Watch:
@@ -61,11 +158,12 @@ class Watch:
         self.exits = exits
         """The capture's: autograd's entry is wrapped from the first segment to the capture's end."""
 
-    def follow(self, name: str, node: Any, targets: list[tuple[torch.Tensor, str]]) -> Order:
+    def follow(self, name: str, node: Any, targets: list[tuple[torch.Tensor, str]], casts: list) -> Order:
         """A segment's boundary `node` was made: its `targets` (tensor, how an error names it), in the
         order its backward gives them gradients, get their later users found when a backward starts."""
         edges = [(k, torch.autograd.graph.get_gradient_edge(t)) for k, (t, _) in enumerate(targets)]
         order = Order(name, node, edges, [label for _, label in targets])
+        order.casts = {k for k, (t, _) in enumerate(targets) if any(t is c for c in casts)}
         if not self.installed:
             self.exits.enter_context(self.around_backwards())
         self.pending.append(order)
@@ -143,6 +241,14 @@ class Watch:
             ]
             if older:
                 order, k, j = max(older, key=lambda c: c[0].node._sequence_nr())
+                if k in order.casts and type(node).__name__ == "ToCopyBackward0":
+                    raise CaptureError(
+                        f"the eager segment {order.name} uses {order.labels[j]} under autocast, and the step "
+                        "uses it after the segment under autocast too: eagerly both uses share autocast's "
+                        "cached cast of it (one gradient, summed in low precision), which a segment run "
+                        "between graphs cannot share. Turn the cache off (`torch.autocast(..., "
+                        "cache_enabled=False)`), or keep both uses on one side of the segment."
+                    )
                 later.setdefault(node, []).append((order, k, i, j))
         if later and not whole:
             order, _, _, j = next(iter(later.values()))[0]
