@@ -194,7 +194,8 @@ class SharedNet(torch.nn.Module):
     postnorm  `h = norm(h + mix(h))` (BERT's block);
     twice     `h = h + mix(h, h)`: one tensor passed twice;
     param     `h = norm(mix(h, scale)) * scale`: a parameter passed in, used twice inside and once after;
-    chain     `h = h + mix2(mix(h), h)`: two breaks in a row, both reading `h`.
+    chain     `h = h + mix2(mix(h), h)`: two breaks in a row, both reading `h`;
+    reuse     `h = h + mix[0](h)` twice: one module's weights used by two calls of the break.
     Inputs are (tokens, dim): the linear layers take `h` itself, not a view of it."""
 
     def __init__(self, kind: str = "residual", dim: int = 12, layers: int = 2, sync: bool = True):
@@ -220,6 +221,8 @@ class SharedNet(torch.nn.Module):
                 h = norm(mix(h, self.scale)) * self.scale
             elif self.kind == "chain":
                 h = h + self.mix2[i](mix(h), h)
+            elif self.kind == "reuse":
+                h = h + self.mix[0](h)
         return self.out(h)
 
 

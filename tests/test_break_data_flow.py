@@ -69,7 +69,7 @@ def token_batches(n=STEPS, seed=0):
 
 
 @pytest.mark.parametrize("breaks", ["auto", "marked"])
-@pytest.mark.parametrize("kind", ["residual", "postnorm", "twice", "param", "chain"])
+@pytest.mark.parametrize("kind", ["residual", "postnorm", "twice", "param", "chain", "reuse"])
 def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks):
     make = lambda: SharedNet(kind, sync=breaks == "auto")  # noqa: E731
     marked = [] if breaks == "auto" else [f"mix.{i}" for i in range(2)]

@@ -190,7 +190,9 @@ class Watch:
         original = torch.autograd._engine_run_backward
 
         def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-            handles = self._walk(t_outputs, _whole(args, kwargs)) if self.pending else []
+            # (a backward inside a backward is a segment's own, run at capture by the recording backend)
+            inner = torch._C._current_graph_task_id() != -1
+            handles = self._walk(t_outputs, _whole(args, kwargs)) if self.pending and not inner else []
             try:
                 return original(t_outputs, *args, **kwargs)
             finally:
