@@ -131,3 +131,29 @@ def test_a_weight_cast_by_autocast_inside_a_break_and_outside_it(where):
         train(make, token_batches(), mse, marked=[], amp="cache")
     step = train(make, token_batches(), mse, marked=[], amp="nocache")
     assert step.stats.graph_breaks == 1
+
+
+def test_a_backward_that_starts_from_a_breaks_input_is_refused_naming_it():
+    """Autograd adds a root's gradient first, before the segment's own: refused rather than reordered."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 12)
+    opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+
+    @graphstep.eager_segment
+    def seg(h):
+        return h * h.sin()
+
+    def step_fn(x, y):
+        h = lin(x)
+        loss = torch.nn.functional.mse_loss(seg(h).sum(-1, keepdim=True), y)
+        torch.autograd.backward([loss, h], [None, torch.full_like(h, 1e-3)])
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = graphstep.capture(step_fn, model=lin, optimizer=opt, config=recording())
+    with pytest.raises(
+        graphstep.errors.CaptureError, match=r"starts from its argument 0 .*Start the backward"
+    ):
+        for x, y in token_batches(3):
+            step(x, y)

@@ -216,8 +216,15 @@ class Watch:
                 by_edge.setdefault((edge.node, edge.output_nr), []).append((order, k, j))
         users: list[tuple[Any, int, list[tuple[Order, int, int]]]] = []
         seen: set = set()
-        todo = [_node_of(t) for t in (roots if isinstance(roots, (list, tuple)) else [roots])]
-        todo = [n for n in todo if n is not None]
+        roots = roots if isinstance(roots, (list, tuple)) else [roots]
+        for edge in filter(None, map(_edge_of, roots)):  # the backward's own start: a use after all
+            for order, _, j in by_edge.get((edge.node, edge.output_nr), ()):
+                raise CaptureError(
+                    f"a backward starts from {order.labels[j]} of the eager segment {order.name}, which "
+                    "autograd adds before the segment's own contributions; a segment cannot follow that "
+                    "order. Start the backward from the loss."
+                )
+        todo = [edge.node for edge in filter(None, map(_edge_of, roots))]
         while todo:
             node = todo.pop()
             if node in seen:
@@ -284,10 +291,10 @@ def _whole(args: tuple, kwargs: dict) -> bool:
     return bool(accumulate) and not inputs
 
 
-def _node_of(root: Any) -> Any:
+def _edge_of(root: Any) -> Any:
     if isinstance(root, torch.Tensor):
-        return torch.autograd.graph.get_gradient_edge(root).node if root.requires_grad else None
-    return getattr(root, "node", None)  # a GradientEdge
+        return torch.autograd.graph.get_gradient_edge(root) if root.requires_grad else None
+    return root if hasattr(root, "node") else None  # a GradientEdge
 
 
 @dataclasses.dataclass(eq=False)
