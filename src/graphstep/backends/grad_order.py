@@ -18,8 +18,15 @@ input or parameter made after the segment gets a hook that takes its contributio
 sum and hands it to the segment. The segment's backward starts that tensor's sum with them (a view
 of the tensor, made after the segment's nodes, runs first and gives it their sum), adds its own
 contributions in its own order, and hands autograd the whole: the additions eager makes, in eager's
-order, whatever count of uses each call makes. Where graphstep cannot see the whole graph (a
-`torch.autograd.grad` or `backward(inputs=...)` through a segment that needs it), it refuses.
+order, whatever count of uses each call makes. Refused at capture, naming the tensor: a backward
+that computes only some gradients (`torch.autograd.grad`, `backward(inputs=...)`) through a segment
+whose tensor has later users, a backward that starts from such a tensor, a backward that did not go
+through torch.autograd's entry, and a parameter used through autocast's cached cast both inside the
+segment and outside it (eagerly one shared low-precision cast, which no split can share).
+
+Also here, for the same sums: what a segment's autograd graph reached in a warm-up (`reach`), and how
+its arguments become its leaves at replay (`Arguments`): one tensor passed twice is one leaf, a
+parameter passed in is the parameter itself, so that all its uses inside sum in one buffer.
 """
 
 from __future__ import annotations
