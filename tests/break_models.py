@@ -187,6 +187,20 @@ class Mixer(torch.nn.Module):
         return out
 
 
+class Scaled(torch.nn.Module):
+    """Reads its own `scale` and takes a scale as an argument (the caller passes the same parameter)."""
+
+    def __init__(self, dim: int = 12, sync: bool = True):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.logspace(1, -1, dim))
+        self.sync = sync
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.sync:
+            _host_read(h)
+        return h * scale + torch.tanh(h * self.scale)
+
+
 class SharedNet(torch.nn.Module):
     """A break whose input the step uses outside it as well, in every arrangement the tests need:
 
@@ -195,7 +209,9 @@ class SharedNet(torch.nn.Module):
     twice     `h = h + mix(h, h)`: one tensor passed twice;
     param     `h = norm(mix(h, scale)) * scale`: a parameter passed in, used twice inside and once after;
     chain     `h = h + mix2(mix(h), h)`: two breaks in a row, both reading `h`;
-    reuse     `h = h + mix[0](h)` twice: one module's weights used by two calls of the break.
+    reuse     `h = h + mix[0](h)` twice: one module's weights used by two calls of the break;
+    passed    `h = norm(scaled(h, scaled.scale)) * scaled.scale`: a parameter the break reads itself
+              and is passed too, and the step uses after it.
     Inputs are (tokens, dim): the linear layers take `h` itself, not a view of it."""
 
     def __init__(self, kind: str = "residual", dim: int = 12, layers: int = 2, sync: bool = True):
@@ -206,6 +222,7 @@ class SharedNet(torch.nn.Module):
         self.mix2 = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers if kind == "chain" else 0))
         self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
         self.scale = torch.nn.Parameter(torch.logspace(-1, 1, dim))
+        self.scaled = Scaled(dim, sync)
         self.out = torch.nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,6 +240,8 @@ class SharedNet(torch.nn.Module):
                 h = h + self.mix2[i](mix(h), h)
             elif self.kind == "reuse":
                 h = h + self.mix[0](h)
+            elif self.kind == "passed":
+                h = norm(self.scaled(h, self.scaled.scale)) * self.scaled.scale
         return self.out(h)
 
 

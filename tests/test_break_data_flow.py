@@ -69,10 +69,10 @@ def token_batches(n=STEPS, seed=0):
 
 
 @pytest.mark.parametrize("breaks", ["auto", "marked"])
-@pytest.mark.parametrize("kind", ["residual", "postnorm", "twice", "param", "chain", "reuse"])
+@pytest.mark.parametrize("kind", ["residual", "postnorm", "twice", "param", "passed", "chain", "reuse"])
 def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks):
     make = lambda: SharedNet(kind, sync=breaks == "auto")  # noqa: E731
-    marked = [] if breaks == "auto" else [f"mix.{i}" for i in range(2)]
+    marked = [] if breaks == "auto" else [f"mix.{i}" for i in range(2)] + ["scaled"]
     if kind == "chain" and breaks == "marked":
         marked += [f"mix2.{i}" for i in range(2)]
     step = train(make, token_batches(), torch.nn.functional.mse_loss, marked=marked)
