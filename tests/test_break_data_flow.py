@@ -157,3 +157,26 @@ def test_a_backward_that_starts_from_a_breaks_input_is_refused_naming_it():
     ):
         for x, y in token_batches(3):
             step(x, y)
+
+
+def test_a_backward_that_bypasses_torch_autograd_is_refused_at_a_segment():
+    """graphstep finds later users when torch.autograd's entry starts a backward; one started in the
+    engine directly could not be seen, so the segment refuses rather than guess."""
+    torch.manual_seed(0)
+    model = SharedNet("residual", sync=False)
+    for mix in model.mix:
+        graphstep.eager_segment(mix)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    engine = torch.autograd.Variable._execution_engine
+
+    def step_fn(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (), True, True)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = graphstep.capture(step_fn, model=model, optimizer=opt, config=recording())
+    with pytest.raises(graphstep.errors.CaptureError, match=r"did not start through torch.autograd"):
+        for x, y in token_batches(3):
+            step(x, y)
