@@ -138,8 +138,9 @@ def capture_variant(
             if isinstance(error, GraphStepError)
             else capture_error(ctx.name, error, ctx.state.named_modules_roots())
         )
-        if ctx.ranks is None and is_out_of_memory(error):
-            # Not a graph break or an optimizer to move: the same step fits once memory is free.
+        if ctx.ranks is None and backend.static_buffers and is_out_of_memory(error):
+            # Not a graph break or an optimizer to move: the same step fits once memory is free. (The
+            # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
             raise OutOfMemoryAtCapture(str(converted)) from error
         short_rank = ctx.ranks.out_of_memory_at_capture() if ctx.ranks is not None else None
         if short_rank is not None:

@@ -105,11 +105,7 @@ def _plan(life: Lifecycle) -> Plan:
         # created lazily (a layer unfrozen): a capture now would record that first step forever.
         # Warm up once more first.
         return Plan(Phase.EAGER, "rewarm", texts)
-    movable = ctx.modes.movable(changes)
-    if movable:
-        ctx.modes.move_to_eager(
-            movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts)
-        )
+    if ctx.modes.move_for_changes(changes):  # a baked hyperparameter changed: its log names it
         return Plan(Phase.CAPTURE, "switch", texts)
     if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
         full = ctx.graphs_alive() >= ctx.config.max_graphs
@@ -149,9 +145,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.gave_way_for: str | None = (
-            None  # the last capture gave way to a warm-up: "compile", "segments", "memory"
-        )
+        self.gave_way_for: str | None = None  # the last capture gave way to: "compile", "segments", "memory"
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
