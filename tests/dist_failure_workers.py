@@ -12,46 +12,52 @@ import graphstep
 from dist_workers import _ddp, _device, _finish, _mlp, _mlp_data, _plain_step
 
 
-def _ddp_twins(device: torch.device) -> list:
-    """Two identical DDP MLPs with SGD: the eager one and graphstep's."""
+def _twins(device: torch.device) -> list:
+    """Two identical MLPs with SGD, the eager one and graphstep's: under DDP on CUDA; on CPU plain, with
+    no collective in the step (the recording backend stands in for graphs there, and replays no
+    collective); the ranks still vote before every call and agree on every capture."""
     pairs = []
     for _ in range(2):
-        model = _ddp(_mlp(device), device)
+        model = _ddp(_mlp(device), device) if device.type == "cuda" else _mlp(device)
         pairs.append((model, torch.optim.SGD(model.parameters(), lr=0.05)))
     return pairs
 
 
 def one_rank_out_of_memory_at_capture(rank: int, size: int, *, failing: int, captures: int = 1) -> dict:
     """Rank `failing` runs out of memory in the forward of its first `captures` captures (on CUDA for
-    real: it allocates twice the device while its stream captures; on CPU torch's error is raised at
-    the forward a capture makes). Every rank must run that call eagerly, together, and capture on the
-    next (twice in a row: every rank raises a CaptureError in the same call). Compared with eager."""
+    real: it allocates twice the device while its stream captures; on CPU, with the recording backend,
+    torch's error is raised at the forward a capture makes). Every rank must run that call eagerly,
+    together, and capture on the next (twice in a row: every rank raises a CaptureError in the same
+    call). Compared with eager; `warmups` is how many warm-ups precede the first capture."""
     import itertools
 
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
-    (m_e, o_e), (m_g, o_g) = _ddp_twins(device)
+    (m_e, o_e), (m_g, o_g) = _twins(device)
+    cuda = device.type == "cuda"
+    warmups = distributed_warmups() if cuda else graphstep.Config().warmup_steps
     forwards = itertools.count()  # advanced by a call: not a Python write the capture would refuse
     # The forwards the captures make: after the warm-ups, every other one (each failed capture's eager
     # step follows it).
-    capture_forwards = {distributed_warmups() + 2 * k for k in range(captures)}
+    capture_forwards = {warmups + 2 * k for k in range(captures)}
 
     def too_big_while_capturing(module, inputs, output):
         n = next(forwards)
         if rank != failing:
             return
-        if device.type == "cuda":
+        if cuda:
             if torch.cuda.is_current_stream_capturing() and n in capture_forwards:
                 total = torch.cuda.get_device_properties(device).total_memory
                 torch.empty(2 * total, dtype=torch.uint8, device=device)
         elif n in capture_forwards:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (simulated)")
 
-    m_g.module[0].register_forward_hook(too_big_while_capturing)
-    step = graphstep.capture(_plain_step(m_g, o_g), model=m_g, optimizer=o_g)
+    getattr(m_g, "module", m_g)[0].register_forward_hook(too_big_while_capturing)
+    config = graphstep.Config(backend="cuda" if cuda else "recording")
+    step = graphstep.capture(_plain_step(m_g, o_g), model=m_g, optimizer=o_g, config=config)
     eager = _plain_step(m_e, o_e)
     losses_equal, errors = True, []
-    for i, (x, y) in enumerate(_mlp_data(distributed_warmups() + 6, device)):
+    for i, (x, y) in enumerate(_mlp_data(warmups + 6, device)):
         want = eager(x, y)
         try:
             got = step(x, y)
@@ -64,6 +70,7 @@ def one_rank_out_of_memory_at_capture(rank: int, size: int, *, failing: int, cap
         "params_equal": all(torch.equal(p, q) for p, q in zip(m_e.parameters(), m_g.parameters())),
         "errors": errors,
         "backend": step.backend_name,
+        "warmups": warmups,
     }
     return _finish({**report, "stats": step.stats}, step)
 

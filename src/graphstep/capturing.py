@@ -143,9 +143,10 @@ def capture_variant(
             # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
             raise OutOfMemoryAtCapture(str(converted)) from error
         short_rank = ctx.ranks.out_of_memory_at_capture() if ctx.ranks is not None else None
-        if short_rank is not None:
+        if short_rank is not None and backend.static_buffers:
             # Some rank ran out of memory: every rank knows it from the same vote, and every rank
-            # runs this call as an eager step, together, and captures on the next.
+            # runs this call as an eager step, together, and captures on the next (each rank has the
+            # same backend; on the eager backend the error stands on every rank, as above).
             ctx.ranks.step_eagerly_instead()
             raise OutOfMemoryAtCapture(str(converted), rank=short_rank) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
