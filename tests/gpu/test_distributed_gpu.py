@@ -178,7 +178,7 @@ def test_out_of_memory_at_capture_on_one_rank(captures, world):
     reports = nccl(one_rank_out_of_memory_at_capture, world, failing=failing, captures=captures)
     warmups = distributed.DDP_WARMUP_STEPS
     for rank, report in enumerate(reports):
-        assert report["backend"] == "cuda"
+        assert report["backend"] == "cuda" and report["warmups"] == warmups
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
         stats = report["stats"]
         assert stats["captures"] == 1 and stats["warmup_calls"] == warmups + 1, f"rank {rank}: {stats}"
