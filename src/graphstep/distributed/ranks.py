@@ -12,7 +12,9 @@ The same vote carries "my previous call failed": a rank whose call raised (after
 a replay, or before it) makes every rank raise at its next call instead of some replaying into
 collectives it will never join. Calls that run the step eagerly or capture it go collective by
 collective together and agree at the end that every rank's step succeeded (`collectives.py`);
-before any rank replays a new graph, all agree that every capture succeeded.
+before any rank replays a new graph, all agree that every capture succeeded. When a capture stopped
+because some rank ran out of memory, every rank (told so by that same vote) runs the call as an eager
+step instead, together, and captures on the next, as one process does.
 
 Also here: the NCCL setting that graphs with expandable segments need, the warm-up count DDP
 needs, and closing steps before `destroy_process_group` (a live graph holding NCCL work makes
