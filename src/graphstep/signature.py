@@ -276,7 +276,12 @@ class _NoEncodings:
             "need from them before the call and pass it as a tensor."
         )
 
-    __getitem__ = __len__ = __iter__ = __getattr__ = _refuse
+    __getitem__ = __len__ = __iter__ = _refuse
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (copy, pickle and walks probe for these)
+            raise AttributeError(name)
+        return self._refuse()
 
     def __bool__(self) -> bool:
         return True
