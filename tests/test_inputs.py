@@ -122,7 +122,10 @@ class Pair:
 
 
 pytree.register_pytree_node(
-    Pair, lambda p: ([p.x], p.scale), lambda leaves, scale: Pair(leaves[0], scale), serialized_type_name="t.Pair"
+    Pair,
+    lambda p: ([p.x], p.scale),
+    lambda leaves, scale: Pair(leaves[0], scale),
+    serialized_type_name="t.Pair",
 )
 
 
@@ -139,7 +142,7 @@ def test_mappings_and_pytree_nodes_are_containers_of_the_callers_type():
 
     config = graphstep.Config(backend="recording", warmup_steps=1, allow_python_writes=True)  # `seen`
     step = graphstep.capture(fn, config=config)
-    for i in range(4):
+    for _ in range(4):
         a, x, z = torch.randn(3), torch.randn(3), torch.randn(3)
         got = step(collections.UserDict(a=a, k=2), Pair(x, 3.0), collections.OrderedDict(b=Batch(z)))
         assert torch.equal(got, a * 2 + x * 3.0 + z)
@@ -149,7 +152,9 @@ def test_mappings_and_pytree_nodes_are_containers_of_the_callers_type():
     step(collections.UserDict(a=a, k=2), Pair(x, 4.0), collections.OrderedDict(b=Batch(z)))  # in the context
     assert step.stats.warmup_calls == 3, "each Python value is another signature"
     signature, leaves = Signature.of((collections.UserDict(a=a, k=2),), {})
-    assert "args[0]['a']: float32[3]" in signature.describe() and "args[0]['k']: int 2" in signature.describe()
+    assert (
+        "args[0]['a']: float32[3]" in signature.describe() and "args[0]['k']: int 2" in signature.describe()
+    )
     assert type(unflatten(signature.spec, leaves)[0][0]) is collections.UserDict
 
 
@@ -242,7 +247,7 @@ def test_a_new_block_mask_every_batch_is_one_graph_bitwise_equal_to_eager(on_mod
     def causal(b, h, q, kv):
         return q >= kv
 
-    for ids, doc in packed_batches(6, seed=3):
+    for ids, _ in packed_batches(6, seed=3):
         mask = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
         if on_module:
             m_e.block_mask = m_g.block_mask = mask

@@ -326,9 +326,7 @@ class Lifecycle:
         variant = self.current
         variant.last_used = next(_clock)
         if ctx.backend.static_buffers:
-            self.inputs.load(leaves)
-            if variant.inputs is not None:  # a BlockMask set on a module (guards/module_inputs.py)
-                variant.inputs.load()
+            self.inputs.load(leaves, variant.inputs)  # and a BlockMask set on a module
         every = ctx.config.verify_every
         if verify and every and (ctx.stats.replays + 1) % every == 0:
             outputs = verified_replay(self, leaves, args, kwargs)

@@ -103,7 +103,7 @@ def _flatten(node: Any, leaves: list[torch.Tensor], fns: bool = False) -> Any:
     if registered is not None:
         children, context = registered.flatten_fn(node)
         return ("pytree", kind, _Context(context), tuple(_flatten(c, leaves, fns) for c in children))
-    if isinstance(node, Mapping):
+    if isinstance(node, Mapping) and kind.__hash__ is None:  # (a hashable one stays a value, as it was)
         return _flatten_mapping(node, kind, leaves, fns)
     # A Python value: kept in the key with its type, so that 1, 1.0 and True differ.
     return ("value", kind, node)
@@ -131,7 +131,7 @@ def _flatten_mapping(node: Mapping, kind: type, leaves: list[torch.Tensor], fns:
         extra = {k: v for k, v in getattr(node, "__dict__", {}).items() if k != "data"}
     encodings = _is_batch_encoding(kind) and extra.pop("_encodings", None) is not None
     items = tuple(_flatten(v, leaves, fns) for v in node.values())
-    return ("mapping", kind, tuple(node), items, tuple(extra), _flatten(tuple(extra.values()), leaves, fns), encodings)
+    return ("mapping", kind, tuple(node), items, _flatten(extra, leaves, fns), encodings)
 
 
 def _is_batch_encoding(kind: type) -> bool:
@@ -171,19 +171,13 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-class _Identity:
+class _Identity(NamedTuple):
     """An object in a key by identity (a function's globals)."""
 
-    __slots__ = ("value",)
+    value: Any
 
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.value is self.value
+    __hash__ = lambda self: id(self.value)  # noqa: E731
+    __eq__ = lambda self, other: isinstance(other, _Identity) and other.value is self.value  # noqa: E731
 
 
 def unflatten(spec: Any, leaves: list[torch.Tensor] | Iterator[Any]) -> Any:
@@ -218,7 +212,8 @@ def _rebuild_object(spec: Any, leaves: Iterator[Any]) -> Any:
 def _rebuild_function(spec: Any, leaves: Iterator[Any]) -> Any:
     _, code, namespace, qualname, defaults_spec, cells = spec
     contents = [_unflatten(c, leaves) for c in cells]
-    defaults, kwdefaults, attributes = (None,) * 3 if defaults_spec is None else _unflatten(defaults_spec, leaves)
+    extras = (None,) * 3 if defaults_spec is None else _unflatten(defaults_spec, leaves)
+    defaults, kwdefaults, attributes = extras
     closure = tuple(types.CellType() if v is _EMPTY_CELL else types.CellType(v) for v in contents)
     fn = types.FunctionType(code, namespace.value, code.co_name, defaults, closure or None)
     fn.__qualname__ = qualname
@@ -238,29 +233,26 @@ def _rebuild_pytree(spec: Any, leaves: Iterator[Any]) -> Any:
 
 
 def _rebuild_mapping(spec: Any, leaves: Iterator[Any]) -> Any:
-    _, kind, keys, items, names, extra_spec, encodings = spec
+    _, kind, keys, items, extra_spec, encodings = spec
     data = dict(zip(keys, (_unflatten(c, leaves) for c in items)))
-    extra = dict(zip(names, _unflatten(extra_spec, leaves)))
+    extra = _unflatten(extra_spec, leaves)
     if encodings:  # the tokenizer's host-side alignment: not an input a graph can follow
         extra["_encodings"] = _NoEncodings()
-    if issubclass(kind, collections.UserDict):
+    if issubclass(kind, (dict, collections.UserDict)):
         obj = kind.__new__(kind)
         obj.__dict__.update(extra)
-        obj.data = data
-        return obj
-    if issubclass(kind, dict):
-        obj = kind.__new__(kind)
-        dict.update(obj, data)
-        obj.__dict__.update(extra)
+        if issubclass(kind, dict):
+            dict.update(obj, data)
+        else:
+            obj.data = data
         return obj
     try:
         return kind(data)
     except Exception as exc:
         raise UnsupportedInputError(
-            f"graphstep cannot rebuild a {kind.__qualname__} (a Mapping) from its items: {kind.__qualname__}"
-            f"(dict) raised {type(exc).__name__}: {exc}. Register the type with torch's pytree "
-            "(torch.utils._pytree.register_pytree_node) so that graphstep knows how to rebuild it, or pass "
-            "a dict."
+            f"graphstep cannot rebuild a {kind.__qualname__} (a Mapping) from its items: {kind.__qualname__}(dict) "
+            f"raised {type(exc).__name__}: {exc}. Register the type with torch.utils._pytree.register_pytree_node "
+            "so that graphstep knows how to rebuild it, or pass a dict."
         ) from exc
 
 
@@ -276,15 +268,12 @@ class _NoEncodings:
             "need from them before the call and pass it as a tensor."
         )
 
-    __getitem__ = __len__ = __iter__ = _refuse
+    __getitem__ = __len__ = __iter__ = __bool__ = _refuse
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # (copy, pickle and walks probe for these)
             raise AttributeError(name)
         return self._refuse()
-
-    def __bool__(self) -> bool:
-        return True
 
 
 _REBUILD = {
@@ -308,7 +297,7 @@ def paths(spec: Any, root: str) -> Iterator[tuple[str, Any]]:
     elif kind == "mapping":
         for k, child in zip(spec[2], spec[3]):
             yield from paths(child, f"{root}[{k!r}]")
-        for name, child in zip(spec[4], spec[5][1]):
+        for name, child in zip(spec[4][1], spec[4][2]):
             yield from paths(child, f"{root}.{name}")
     elif kind == "object":
         for n, child in zip(spec[2], spec[3]):

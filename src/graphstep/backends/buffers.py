@@ -50,8 +50,11 @@ class InputBuffers:
             self.need_grad = any(b.requires_grad for b in self.tensors)
         return self.tensors
 
-    def load(self, leaves: list[torch.Tensor]) -> None:
-        """Copy the call's tensors into the buffers (none when they are the buffers)."""
+    def load(self, leaves: list[torch.Tensor], held: Any = None) -> None:
+        """Copy the call's tensors into the buffers (none when they are the buffers). `held`: the
+        graph's inputs kept on modules (`guards/module_inputs.py`), loaded too."""
+        if held is not None:
+            held.load()
         if self.host_staged:  # the previous replay may still be reading a host buffer
             torch.cuda.current_stream(self.backend.index).synchronize()
         if self.need_grad:

@@ -89,7 +89,9 @@ class ModuleInputs:
         for h in self.held:
             value = h.module.__dict__.get(h.name, MISSING)
             if not is_input_value(value):
-                text = f"{h.label}: a {type(value).__qualname__} now (captured with a {type(h.static).__name__})"
+                text = (
+                    f"{h.label}: a {type(value).__qualname__} now (captured with a {type(h.static).__name__})"
+                )
             elif sig.Signature.of((value,), {})[0] != h.signature:
                 text = (
                     f"{h.label}: a {type(value).__name__} of another mask function, block size, sequence "
@@ -103,7 +105,9 @@ class ModuleInputs:
     def load(self) -> None:
         """Copy the attributes' current tensors into the buffers the graph reads."""
         if self._now is None and not self.fit():
-            raise RuntimeError("graphstep: an attribute input does not fit its graph")  # the guard said it did
+            raise RuntimeError(
+                "graphstep: an attribute input does not fit its graph"
+            )  # the guard said it did
         targets, sources = [], []
         for h, leaves in zip(self.held, self._now):
             for buffer, t in zip(h.buffers, leaves):
