@@ -21,6 +21,7 @@ from . import signature as sig
 from .backends import autograd_segments, library_segments, output_ring, segments
 from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
+from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error
 from .effects import host_random
 from .errors import GraphStepError, WarmUpAgain
@@ -103,6 +104,7 @@ def capture_variant(
             inputs.fit()
             inputs.load()
     recording, error, guard = None, None, None
+    loose_reads = ctx.loose.reads
     try:
         # What the step's Python reads, its non-tensor arguments' contents included.
         with (
@@ -132,6 +134,8 @@ def capture_variant(
             guard.reads.report_unwatched(ctx.name, strict=ctx.config.strict_reads)
     except BaseException as exc:
         error = exc
+    if error is None and ctx.loose.reads != loose_reads:  # the step swallowed a placeholder's error
+        error = LooseArgumentRead("the step used an argument passed to eager segments only outside them")
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
         failed = ctx.ranks.capture_failure(ctx.name, error)
         if failed is not None and error is None:

@@ -137,14 +137,13 @@ class Lifecycle:
         self.ctx = ctx
         self.signature = signature
         self.warmups = 0
-        self.inputs = InputBuffers(ctx.backend, signature.spec)
+        self.inputs = InputBuffers(ctx.backend, signature.spec, signature.tensors, ctx.loose)
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
         self.replays = 0
         """This signature's replays (the churn's runs and waits end at one)."""
-        self.stale = False
-        """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
+        self.stale = False  # past max_recaptures with on_recapture_limit="eager": this signature runs eagerly
         self.trainable: list[bool] | None = None
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
@@ -270,6 +269,7 @@ class Lifecycle:
         if probing:
             self.churn.probe = Probe.of_run(reads.reads, ctx.state, ctx.fn)
         self.segment_results = watch.seen
+        ctx.loose.after_warmup(self.signature, args, kwargs, watch.passed)  # (backends/loose.py)
         self.trainable = trainable(ctx.state)
         self.warmups += 1
         ctx.stats.warmup_calls += 1

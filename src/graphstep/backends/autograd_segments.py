@@ -45,7 +45,7 @@ from .. import signature as sig
 from ..errors import CaptureError, GraphStepError
 from ..guards.state_guard import SEGMENT_MARK
 from ..profiling import ranged
-from . import segments
+from . import loose, segments
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,6 +96,7 @@ def _warm_up(
     session: segments.Warmup, fn: Callable, args: tuple, kwargs: dict, name: str, module: Any
 ) -> Any:
     inputs, _ = sig.flatten((args, kwargs))
+    session.passed.update(map(id, inputs))
     first = _next_sequence_number()
     results = segments.plainly(fn, args, kwargs)
     tensors, spec = sig.flatten(results)
@@ -189,6 +190,8 @@ class ForwardSegment:
     """The leaves and results of the last forward, with history, until its backward."""
     host_s: float = 0.0
     """Host time of its last run."""
+    loose: list = dataclasses.field(default_factory=list)
+    """Arguments used only in segments (`loose.py`): (position, placeholder), the call's own each time."""
 
     def run(self) -> None:
         start = time.perf_counter()
@@ -198,6 +201,8 @@ class ForwardSegment:
                 b.detach().requires_grad_(True) if r and differentiable else b
                 for b, r in zip(self.inputs, self.requires)
             ]
+            for i, placeholder in self.loose:
+                leaves[i] = placeholder.gs_now
             args, kwargs = sig.unflatten(self.input_spec, leaves)
             results = segments.plainly(self.fn, args, kwargs)
         tensors, spec = sig.flatten(results)
@@ -308,6 +313,7 @@ class _Plan:
     seen: segments.Seen
     tensors: list[torch.Tensor]
     """What the boundary node takes: the tensor arguments, then the parameters the segment uses."""
+    loose: list
     forward: ForwardSegment | None = None
 
     def begin_forward(self, tensors: tuple) -> ForwardSegment:
@@ -328,6 +334,7 @@ class _Plan:
             self.seen.spec,
             reach.outputs,
             _amp_state(),
+            loose=self.loose,
         )
         self.session.segments.append(fwd)
         if splitter.executes:  # the recording backend runs the step while it captures: the segment too
@@ -383,6 +390,9 @@ def _split(
         segments.split(session, fn, args, kwargs, name, seen)  # raises: another segment was expected
     segments.check_devices(name, seen, session.splitter)
     inputs, input_spec = sig.flatten((args, kwargs))
+    held = loose.placeholders((args, kwargs))
+    for i, placeholder in held:  # the boundary takes the call's tensor; each replay, that call's
+        inputs[i] = placeholder.gs_now
     reach = seen.reach
     if len(inputs) != len(reach.inputs):
         raise CaptureError(
@@ -391,7 +401,7 @@ def _split(
         )
     known = {id(t) for t in inputs}
     params = [p for p in reach.params + reach.idle if id(p) not in known]
-    plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params)
+    plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params, held)
     outputs = _Boundary.apply(plan, *inputs, *params)
     return sig.unflatten(seen.spec, list(outputs))
 
