@@ -6,10 +6,10 @@ that matches boxes and computes the loss, which runs as an eager segment (`graph
 or a graph break). Keyed by shape, every batch would need a graph of its own; but no graph reads
 them, so their shapes need not be in the key, nor their tensors in static buffers.
 
-- learning: a warm-up notes the tensors handed to segments (`segments.Warmup.passed`). Once the shapes
-  of some of those argument tensors change between calls of one structure (and nothing else does),
-  all of them are *loose* for that structure (`LooseArguments`): keyed by dtype and device only
-  (`LooseMeta`), handed to the segments as they are, never copied.
+- learning: a warm-up notes the argument tensors handed to segments (`segments.Warmup.passed`). Those
+  whose shape changes between two calls of one structure (nothing else changing) are *loose* for that
+  structure from then on (`LooseArguments`): keyed by dtype and device only (`LooseMeta`), handed to
+  the segments as they are, never copied.
 - the check, at capture: the graph gets a `Placeholder` in its place, a tensor without data that
   raises as soon as anything outside a segment uses it (an operation, `.shape`, `len()`, ...), and a
   segment reached with it gets the call's real tensor. A capture that touched one stops
@@ -21,12 +21,17 @@ them, so their shapes need not be in the key, nor their tensors in static buffer
 
 from __future__ import annotations
 
+import logging
+import traceback
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import signature as sig
+from ..diagnostics import user_frame_of
 from ..errors import WarmUpAgain
+
+log = logging.getLogger("graphstep")
 
 
 class LooseMeta(NamedTuple):
@@ -72,12 +77,16 @@ class Placeholder(torch.Tensor):
 def _used(tree: Any, what: str) -> LooseArgumentRead:
     tensors, _ = sig.flatten(tree)
     found = next(t for t in tensors if type(t) is Placeholder)
-    found.gs_owner.read(found.gs_spec, found.gs_index)
-    return LooseArgumentRead(
-        f"the argument {found.gs_path} changes shape from call to call and was handed to an eager segment, but "
-        f"the step also uses it outside the segments (`{what}`); a graph would keep the tensor of the "
-        "capture. It is keyed by its shape again: a graph per shape."
+    frame = user_frame_of(traceback.extract_stack()[:-2])
+    line = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "an unknown line"
+    message = (
+        f"the argument {found.gs_path} changes shape from call to call and is handed to an eager segment, "
+        f"but the step also uses it outside the segments ({what} at {line}); a graph would keep the "
+        "tensor of its capture. It is keyed by its shape again: a graph per shape. To keep one graph, use it "
+        "only inside the segment (move that line into the segment's code)."
     )
+    found.gs_owner.read(found.gs_spec, found.gs_index, message)
+    return LooseArgumentRead(message)
 
 
 def placeholders(tree: Any) -> list[tuple[int, Placeholder]]:
@@ -101,7 +110,7 @@ class LooseArguments:
         self.loose: dict[Any, frozenset[int]] = {}
         """Spec -> the indices of its loose tensor leaves."""
         self._candidates: dict[Any, tuple[frozenset[int], sig.Signature]] = {}
-        """Spec -> the leaves the last warm-up handed to segments, and that call's signature."""
+        """Spec -> the leaves a warm-up handed to segments, and the last call's signature (by shape)."""
         self._keyed: dict[Any, set[int]] = {}
         """Spec -> leaves a capture found used outside the segments: never loose again."""
         self.reads = 0
@@ -109,38 +118,37 @@ class LooseArguments:
 
     def rekey(self, signature: sig.Signature) -> sig.Signature:
         """`signature` with its loose tensors keyed by dtype and device only."""
-        if not self.loose and not self._candidates:  # most steps
+        if not self._candidates:  # most steps
             return signature
-        loose = self.loose.get(signature.spec)
-        if loose is None and self._candidates:
-            loose = self._loosen(signature)
+        spec = signature.spec
+        noted = self._candidates.get(spec)
+        if noted is not None:
+            self._vary(signature, *noted)
+        loose = self.loose.get(spec)
         if not loose:
             return signature
         metas = tuple(
             LooseMeta(m.dtype, m.device) if i in loose else m for i, m in enumerate(signature.tensors)
         )
-        return sig.Signature(signature.spec, metas, signature.aliases)
+        return sig.Signature(spec, metas, signature.aliases)
 
-    def _loosen(self, signature: sig.Signature) -> frozenset[int] | None:
-        """A new signature that differs from the last warm-up's only in the shapes of tensors it
-        handed to segments: those are loose from now on (for this call too)."""
-        noted = self._candidates.get(signature.spec)
-        if noted is None or signature.aliases is not None:
-            return None
-        candidates, before = noted
+    def _vary(self, signature: sig.Signature, candidates: frozenset[int], before: sig.Signature) -> None:
+        """Tensors handed to segments whose shapes changed since the last call of this structure (and
+        nothing else did) are loose from now on."""
+        self._candidates[signature.spec] = (candidates, signature)
         now, then = signature.tensors, before.tensors
+        if now == then or signature.aliases is not None or before.aliases is not None:
+            return
         differ = {i for i, (a, b) in enumerate(zip(now, then)) if a != b}
-        if not differ or not differ <= candidates or before.aliases is not None:
-            return None
+        if not differ <= candidates:
+            return
         if any(now[i].dtype != then[i].dtype or now[i].device != then[i].device for i in differ):
-            return None
-        # All of them, not only those that changed this time: a box count changes in another image next.
-        loose = self.loose[signature.spec] = candidates
-        return loose
+            return
+        self.loose[signature.spec] = self.loose.get(signature.spec, frozenset()) | differ
 
     def after_warmup(self, signature: sig.Signature, args: tuple, kwargs: dict, passed: set[int]) -> None:
         """Note the argument tensors a warm-up handed to eager segments (`passed`: their ids)."""
-        if not passed or signature.spec in self.loose:
+        if not passed or signature.spec in self._candidates:
             return
         leaves, _ = sig.flatten((args, kwargs))
         keyed = self._keyed.get(signature.spec, ())
@@ -150,13 +158,15 @@ class LooseArguments:
         if found:
             self._candidates[signature.spec] = (found, signature)
 
-    def read(self, spec: Any, index: int) -> None:
-        """A capture used leaf `index` outside the segments: keyed by shape from now on."""
+    def read(self, spec: Any, index: int, message: str) -> None:
+        """A capture used leaf `index` outside the segments: this structure's loose arguments are keyed by
+        shape from now on."""
         self.reads += 1
-        self._keyed.setdefault(spec, set()).add(index)
-        loose = self.loose.get(spec, frozenset()) - {index}
-        if loose:
-            self.loose[spec] = loose
-        else:
-            self.loose.pop(spec, None)
-        self._candidates.pop(spec, None)
+        log.warning("graphstep: %s", message)
+        # All of this structure's, not that one alone: code that reads one target reads the others
+        # (each would cost a capture to find out).
+        keyed = self._keyed.setdefault(spec, set())
+        keyed.update(self.loose.pop(spec, ()), (index,))
+        noted = self._candidates.get(spec)
+        if noted is not None:
+            self._candidates[spec] = (noted[0] - keyed, noted[1])
