@@ -148,14 +148,17 @@ class LooseArguments:
 
     def after_warmup(self, signature: sig.Signature, args: tuple, kwargs: dict, passed: set[int]) -> None:
         """Note the argument tensors a warm-up handed to eager segments (`passed`: their ids)."""
-        if not passed or signature.spec in self._candidates:
+        if not passed:
             return
         leaves, _ = sig.flatten((args, kwargs))
         keyed = self._keyed.get(signature.spec, ())
         found = frozenset(
             i for i, t in enumerate(leaves) if id(t) in passed and not t.requires_grad and i not in keyed
         )
-        if found:
+        noted = self._candidates.get(signature.spec)
+        if noted is not None:  # (segments made since: a graph break)
+            self._candidates[signature.spec] = (noted[0] | found, noted[1])
+        elif found and not any(isinstance(m, LooseMeta) for m in signature.tensors):
             self._candidates[signature.spec] = (found, signature)
 
     def read(self, spec: Any, index: int, message: str) -> None:
