@@ -100,8 +100,9 @@ def _warm_up(
     first = _next_sequence_number()
     results = segments.plainly(fn, args, kwargs)
     tensors, spec = sig.flatten(results)
-    if module is not None and _moved_out(module, name, spec):
-        return results  # an enclosing module runs eagerly from the next call on
+    move_out = getattr(module.__dict__.get("forward"), "_graphstep_move_out", None) if module else None
+    if move_out is not None and move_out(module, spec):  # results no graph can take: moved to its parent
+        return results
     segments.check_results(name, spec)
     metas = [sig.TensorMeta.of(t) for t in tensors]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
@@ -443,8 +444,7 @@ def eager_segment(fn: Callable | torch.nn.Module, *, name: str | None = None) ->
 
 def mark(module: torch.nn.Module, name: str, move_out: Callable | None = None) -> None:
     """Make `module`'s forward an eager segment (its instance `forward` is wrapped). `move_out(module,
-    why)`: for results no graph can take (not tensors), moves the segment out to an enclosing module
-    (an automatic graph break does: `graph_breaks.py`); True when it did."""
+    spec)`, given its results' spec in a warm-up: True when it moved the segment out (`graph_breaks.py`)."""
     if is_marked(module):
         return
     forward = module.forward
@@ -456,15 +456,6 @@ def mark(module: torch.nn.Module, name: str, move_out: Callable | None = None) -
     setattr(segment, SEGMENT_MARK, forward)
     segment._graphstep_move_out = move_out
     module.forward = segment
-
-
-def _moved_out(module: torch.nn.Module, name: str, spec: Any) -> bool:
-    move_out = getattr(module.__dict__.get("forward"), "_graphstep_move_out", None)
-    if move_out is None:
-        return False
-    values = [sig.value_of(leaf) for _, leaf in sig.paths(spec, "result") if not sig.is_tensor_leaf(leaf)]
-    found = next((v for v in values if v is not None), None)
-    return found is not None and bool(move_out(module, type(found).__qualname__))
 
 
 def is_marked(module: torch.nn.Module) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import signature as sig
 from ..diagnostics import is_host_sync, where
 from ..errors import WarmUpAgain
 from . import autograd_segments, segments
@@ -115,11 +116,16 @@ class GraphBreaks:
         )
         return True
 
-    def move_out(self, module: torch.nn.Module, returned: str) -> bool:
-        """A break's module returned what no graph can take from a segment (a torchvision `ImageList`):
-        the break moves out to the module that encloses it, which returns what its caller gets. False
-        for a module at the top of the step (nothing encloses it: the refusal stands)."""
+    def move_out(self, module: torch.nn.Module, spec: Any) -> bool:
+        """A break's module returned (`spec`: its results in a warm-up) what no graph can take from a
+        segment (a torchvision `ImageList`): the break moves out to the module that encloses it, which
+        returns what its caller gets. False when the results are tensors, or for a module at the top
+        of the step (nothing encloses it: the refusal stands)."""
+        values = [sig.value_of(leaf) for _, leaf in sig.paths(spec, "result") if not sig.is_tensor_leaf(leaf)]
+        returned = next((type(v).__qualname__ for v in values if v is not None), None)
         made = next((b for b in self.made if self.path_of(module) in b.segments), None)
+        if returned is None:
+            return False
         path = self.path_of(module)
         parent = dict(self.modules()).get(path.rpartition(".")[0]) if "." in path else None
         if made is None or parent is None:
