@@ -186,3 +186,71 @@ def test_packed_documents_with_a_new_block_mask_every_batch_are_one_graph_bitwis
         step = side_by_side(pair, make_step, batches, before=before)
     assert step.stats.captures == 1, step.stats
     assert step.stats.replays >= STEPS - 5, step.stats  # a warm-up that compiled is followed by another
+
+
+# -- torchvision's Faster R-CNN, a box count per image that changes every batch -----------------------
+
+
+def detection_batches(n, fixed=0, images=2, size=320, classes=5):
+    """`n` batches of (images, targets); the first `fixed` keep one box count per image."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        counts = [3] * images if i < fixed else torch.randint(1, 8, (images,), generator=g).tolist()
+        targets = []
+        for k in counts:
+            xy = torch.rand(k, 2, generator=g) * (size - 64)
+            wh = 16 + torch.rand(k, 2, generator=g) * 48
+            boxes = torch.cat([xy, xy + wh], dim=1)
+            targets.append(
+                {"boxes": boxes.cuda(), "labels": torch.randint(1, classes, (k,), generator=g).cuda()}
+            )
+        out.append(([torch.rand(3, size, size, generator=g).cuda() for _ in range(images)], targets))
+    return out
+
+
+def detection_step(model, opt):
+    def step(images, targets):
+        losses = model(images, targets)
+        loss = sum(losses.values())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def faster_rcnn(tv):
+    return tv.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None, weights_backbone=None, num_classes=5
+    )
+
+
+def test_faster_rcnn_marked_as_a_segment_trains_with_a_changing_box_count_in_one_graph():
+    tv = pytest.importorskip("torchvision")
+    pair = twins(lambda: faster_rcnn(tv), lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+    graphstep.eager_segment(pair[1][0])  # the detector runs eagerly; its targets are not part of the key
+    batches = detection_batches(STEPS)
+    assert len({tuple(len(t["boxes"]) for t in ts) for _, ts in batches}) > 8
+    with deterministic():
+        step = side_by_side(pair, detection_step, batches)
+    # The first call keys the targets by shape; from the second on, those whose shape changed are not
+    # keyed (one more graph if a count that held still at first changes later).
+    assert step.stats.captures <= 2 and step.stats.replays >= STEPS - 6, step.stats
+
+
+def test_faster_rcnn_with_automatic_breaks_trains_equal_to_eager_or_names_what_to_mark():
+    """No marks: the capture (after calls with one box count) breaks where torchvision reads the host;
+    a break in `model.transform` (it returns an ImageList) moves out to the model. Then the box count
+    changes every batch: equal to eager with one more graph, or refused naming the tensors and the mark."""
+    tv = pytest.importorskip("torchvision")
+    pair = twins(lambda: faster_rcnn(tv), lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+    batches = detection_batches(STEPS + 6, fixed=6)
+    try:
+        with deterministic():
+            step = side_by_side(pair, detection_step, batches)
+    except graphstep.errors.TooManyGraphsError as refused:
+        assert "graphstep.eager_segment(module)" in str(refused) and "['boxes']" in str(refused), str(refused)
+        return
+    assert step.stats.graph_breaks >= 1 and step.stats.replays >= STEPS - 4, step.stats
