@@ -104,7 +104,7 @@ def capture_variant(
             inputs.fit()
             inputs.load()
     recording, error, guard = None, None, None
-    loose_reads = ctx.loose.reads
+    loose_reads, ctx.loose.capturing = ctx.loose.reads, True
     try:
         # What the step's Python reads, its non-tensor arguments' contents included.
         with (
@@ -134,6 +134,7 @@ def capture_variant(
             guard.reads.report_unwatched(ctx.name, strict=ctx.config.strict_reads)
     except BaseException as exc:
         error = exc
+    ctx.loose.capturing = False
     if error is None and ctx.loose.reads != loose_reads:  # the step swallowed a placeholder's error
         error = LooseArgumentRead("the step used an argument passed to eager segments only outside them")
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded

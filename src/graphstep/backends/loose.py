@@ -64,19 +64,27 @@ class Placeholder(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        raise _used((args, kwargs or {}), getattr(func, "__name__", str(func)))
+        return _use(func, args, kwargs or {}, getattr(func, "__name__", str(func)))
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        raise _used((args, kwargs or {}), str(func))
+        return _use(func, args, kwargs or {}, str(func))
 
     def __repr__(self) -> str:  # (no torch function: an error message may name it)
         return f"<graphstep placeholder for {self.gs_path}>"
 
 
-def _used(tree: Any, what: str) -> LooseArgumentRead:
-    tensors, _ = sig.flatten(tree)
-    found = next(t for t in tensors if type(t) is Placeholder)
+def _use(func: Any, args: tuple, kwargs: dict, what: str) -> Any:
+    """A use of a placeholder: refused while a capture runs; outside one (a verifying reference run that
+    reads the static inputs), the call's own tensor stands in."""
+    held = placeholders((args, kwargs))
+    if not held[0][1].gs_owner.capturing:
+        args, kwargs = resolve((args, kwargs), held)
+        return func(*args, **kwargs)
+    raise _used(held[0][1], what)
+
+
+def _used(found: Placeholder, what: str) -> LooseArgumentRead:
     frame = user_frame_of(traceback.extract_stack()[:-2])
     line = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "an unknown line"
     message = (
@@ -115,6 +123,8 @@ class LooseArguments:
         """Spec -> leaves a capture found used outside the segments: never loose again."""
         self.reads = 0
         """Placeholders used outside a segment so far (a capture that swallowed the error fails too)."""
+        self.capturing = False
+        """A capture runs: a placeholder used now is refused (`capturing.py` sets it)."""
 
     def rekey(self, signature: sig.Signature) -> sig.Signature:
         """`signature` with its loose tensors keyed by dtype and device only."""
