@@ -69,7 +69,8 @@ class InputBuffers:
             held.load()
         if self.loose_at:  # handed to the segments as they are
             for i in self.loose_at:
-                self.tensors[i].gs_now = leaves[i]
+                if leaves[i] is not self.tensors[i]:  # (the placeholder itself, from `input_buffers`)
+                    self.tensors[i].gs_now = leaves[i]
             loose = set(self.loose_at)
             leaves = [t for i, t in enumerate(leaves) if i not in loose]
         if self.host_staged:  # the previous replay may still be reading a host buffer

@@ -32,6 +32,7 @@ from ..diagnostics import user_frame_of
 from ..errors import WarmUpAgain
 
 log = logging.getLogger("graphstep")
+_REMEMBERED = 64  # argument structures whose segment-only tensors are remembered
 
 
 class LooseMeta(NamedTuple):
@@ -169,6 +170,8 @@ class LooseArguments:
         if noted is not None:  # (segments made since: a graph break)
             self._candidates[signature.spec] = (noted[0] | found, noted[1])
         elif found and not any(isinstance(m, LooseMeta) for m in signature.tensors):
+            if len(self._candidates) >= _REMEMBERED:  # (a Python number argument makes a spec per value)
+                del self._candidates[next(iter(self._candidates))]
             self._candidates[signature.spec] = (found, signature)
 
     def read(self, spec: Any, index: int, message: str) -> None:
