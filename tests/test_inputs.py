@@ -272,3 +272,29 @@ def test_a_block_mask_key_is_its_mask_function_block_size_and_shapes_not_its_val
     assert rebuilt.kv_indices is mask_b.kv_indices and rebuilt.mask_mod is not mask_b.mask_mod
     assert rebuilt.mask_mod.__closure__[0].cell_contents is b[1]
     assert torch.equal(rebuilt.to_dense(), mask_b.to_dense())
+
+
+def test_a_composed_mask_function_is_keyed_by_the_code_of_each_part_and_rebuilt_over_the_buffers():
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def composed(doc):
+        def same_document(b, h, q, kv):
+            return doc[q] == doc[kv]
+
+        mask_mod = and_masks(causal, same_document)  # a closure over a tuple of functions
+        return create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+
+    (_, doc_a), (_, doc_b) = packed_batches(2)
+    sig_a, _ = Signature.of((composed(doc_a),), {})
+    sig_b, leaves_b = Signature.of((composed(doc_b),), {})
+    assert sig_a == sig_b and Signature.of((document_mask(doc_a),), {})[0] != sig_a
+    copies = [t.clone() for t in leaves_b]
+    rebuilt = unflatten(sig_b.spec, copies)[0][0]
+    idx, zero = torch.arange(S), torch.tensor(0)
+    want = composed(doc_b).mask_mod(zero, zero, idx[:, None], idx[None, :])
+    assert torch.equal(rebuilt.mask_mod(zero, zero, idx[:, None], idx[None, :]), want)
+    copies[-1].fill_(0)  # the document ids the rebuilt function reads are the buffer's
+    assert rebuilt.mask_mod(zero, zero, idx[:, None], idx[None, :]).sum() == S * (S + 1) // 2
