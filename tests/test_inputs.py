@@ -113,6 +113,13 @@ def test_a_batch_encodings_tokenizer_encodings_read_in_the_step_are_refused_at_c
     with pytest.raises(UnsupportedInputError, match=r"word_ids\(\).*pass it as a tensor"):
         captured(BatchEncoding({"input_ids": ids, "attention_mask": mask}, encoding=encodings))
 
+    # The same batches to a step that does not read them: captured, and replayed.
+    other = Encoder()
+    plain = graphstep.capture(lm_step(other, torch.optim.SGD(other.parameters(), lr=0.1)), config=RECORDING)
+    for _ in range(4):
+        plain(BatchEncoding({"input_ids": ids, "attention_mask": mask}, encoding=encodings))
+    assert plain.stats.captures == 1 and plain.stats.replays == 1
+
 
 class Pair:
     """A user structure registered with torch's pytree: a tensor and a Python value."""
