@@ -158,3 +158,149 @@ class TinyDETR(torch.nn.Module):
     def forward(self, x: torch.Tensor):  # x: (B, features)
         h = torch.relu(self.body(x[:, None, :] + self.queries))
         return self.cls(h), self.box(h).sigmoid()
+
+
+# -- shared data flow around a break: a tensor the segment uses, and the step uses outside it too ------
+
+
+def _host_read(h: torch.Tensor) -> None:
+    """A read on the host (what makes a capture stop here, and an automatic break of this module)."""
+    torch.where(h[:, 0] > float("inf"))  # empty: changes nothing
+
+
+class Mixer(torch.nn.Module):
+    """Uses its input directly three times (two projections and a skip), so that its gradient is a sum
+    of three contributions inside the module; `sync`: with a host read (an automatic break)."""
+
+    def __init__(self, dim: int = 12, sync: bool = True):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim)
+        self.b = torch.nn.Linear(dim, dim)
+        self.sync = sync
+
+    def forward(self, h: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:  # h: (tokens, dim)
+        if self.sync:
+            _host_read(h)
+        out = self.a(h) * torch.sigmoid(self.b(h)) + h * 0.5
+        for e in extra:  # another tensor used twice inside: a second input of the same tensor, say
+            out = out + e * h * 0.1 + torch.tanh(e)
+        return out
+
+
+class Scaled(torch.nn.Module):
+    """Reads its own `scale` and takes a scale as an argument (the caller passes the same parameter)."""
+
+    def __init__(self, dim: int = 12, sync: bool = True):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.logspace(1, -1, dim))
+        self.sync = sync
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.sync:
+            _host_read(h)
+        return h * scale + torch.tanh(h * self.scale)
+
+
+class SharedNet(torch.nn.Module):
+    """A break whose input the step uses outside it as well, in every arrangement the tests need:
+
+    residual  `h = h + mix(h)` (pre-norm absent: the shared input itself);
+    postnorm  `h = norm(h + mix(h))` (BERT's block);
+    twice     `h = h + mix(h, h)`: one tensor passed twice;
+    param     `h = norm(mix(h, scale)) * scale`: a parameter passed in, used twice inside and once after;
+    chain     `h = h + mix2(mix(h), h)`: two breaks in a row, both reading `h`;
+    reuse     `h = h + mix[0](h)` twice: one module's weights used by two calls of the break;
+    passed    `h = norm(scaled(h, scaled.scale)) * scaled.scale`: a parameter the break reads itself
+              and is passed too, and the step uses after it.
+    Inputs are (tokens, dim): the linear layers take `h` itself, not a view of it."""
+
+    def __init__(self, kind: str = "residual", dim: int = 12, layers: int = 2, sync: bool = True):
+        super().__init__()
+        self.kind = kind
+        self.inp = torch.nn.Linear(dim, dim)
+        self.mix = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers))
+        self.mix2 = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers if kind == "chain" else 0))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.scale = torch.nn.Parameter(torch.logspace(-1, 1, dim))
+        self.scaled = Scaled(dim, sync)
+        self.out = torch.nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, (mix, norm) in enumerate(zip(self.mix, self.norms)):
+            if self.kind == "residual":
+                h = h + mix(h)
+            elif self.kind == "postnorm":
+                h = norm(h + mix(h))
+            elif self.kind == "twice":
+                h = h + mix(h, h)
+            elif self.kind == "param":
+                h = norm(mix(h, self.scale)) * self.scale
+            elif self.kind == "chain":
+                h = h + self.mix2[i](mix(h), h)
+            elif self.kind == "reuse":
+                h = h + self.mix[0](h)
+            elif self.kind == "passed":
+                h = norm(self.scaled(h, self.scaled.scale)) * self.scaled.scale
+        return self.out(h)
+
+
+class TiedEmbedding(torch.nn.Module):
+    """Looks its table up twice (a token and its neighbour), with a host read: the table's gradient
+    gets two contributions inside the break."""
+
+    def __init__(self, table: torch.nn.Embedding):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (tokens,)
+        _host_read(ids[:, None].float())
+        return self.table(ids) + 0.5 * self.table(ids.roll(1))
+
+
+class TiedLM(torch.nn.Module):
+    """A language model whose head is its embedding table (tied weights): the table is used inside the
+    break (the lookups) and after it (the head)."""
+
+    def __init__(self, vocab: int = 24, dim: int = 12):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.embed = TiedEmbedding(self.emb)
+        self.mid = torch.nn.Linear(dim, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + torch.tanh(self.mid(h))
+        return F.linear(h, self.emb.weight)  # logits through the same table
+
+
+class Project(torch.nn.Module):
+    """A linear layer applied twice (its weight cast twice under autocast), with a host read."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        _host_read(h)
+        return self.lin(h) + self.lin(h * 0.5)
+
+
+class SharedWeightNet(torch.nn.Module):
+    """The break's weight also used outside it, `where` ("before" or "after" the break): under
+    autocast both uses cast the same parameter."""
+
+    def __init__(self, where: str, dim: int = 12):
+        super().__init__()
+        self.where = where
+        self.inp = torch.nn.Linear(dim, dim)
+        self.project = Project(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.where == "before":
+            h = F.linear(h, self.project.lin.weight)
+        h = self.project(h)
+        if self.where == "after":
+            h = F.linear(h, self.project.lin.weight)
+        return h.float().sum(-1, keepdim=True)

@@ -143,9 +143,38 @@ class CountingSGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
-def test_a_custom_optimizer_with_python_state_runs_as_a_segment_from_the_start():
-    step = run_pair(twins(lambda m: CountingSGD(m.parameters())), recording())
+def test_a_custom_optimizer_with_python_state_runs_as_a_segment_from_the_start(caplog):
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        step = run_pair(twins(lambda m: CountingSGD(m.parameters())), recording())
     assert step.stats.captures == 1
+    # The log says why, and claims no hyperparameter changed: none did.
+    (message,) = [r.message for r in caplog.records if "runs eagerly between graph replays" in r.message]
+    assert "changes Python values" in message and "state[param 0]['n']" in message, message
+    assert "hyperparameter" not in message and "changed" not in message, message
+
+
+def test_a_segment_for_a_changed_hyperparameter_names_the_key_and_only_its_own_changes(caplog):
+    pair = twins(sgd, ByHand)
+    model = pair[1][0]
+    (m_e, o_e, s_e), (m_g, o_g, s_g) = pair
+    eager = train_step(m_e, o_e)
+    step = graphstep.capture(train_step(m_g, o_g), model=m_g, optimizer=o_g, config=recording())
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        for i, (x, y) in enumerate(batches(8)):
+            if i == 4:  # a change beside lr's in the same call: not the optimizer's
+                for m in (m_e, m_g):
+                    m.drop.p = 0.2
+            torch.manual_seed(i)
+            want = eager(x, y)
+            torch.manual_seed(i)
+            assert torch.equal(want, step(x, y)), i
+            s_e.step()
+            s_g.step()
+    assert same_params(m_e, model)
+    (message,) = [r.message for r in caplog.records if "runs eagerly between graph replays" in r.message]
+    assert "Why: 'lr' changed, which its step reads as a Python number" in message, message
+    assert "['lr']: 0.05 -> 0.025" in message and "no re-capture will be needed" in message, message
+    assert "drop" not in message, "another module's change is not the optimizer's"
 
 
 class Lion(torch.optim.Optimizer):

@@ -14,12 +14,12 @@ PACKAGE = Path(graphstep.__file__).parent
 
 
 def imports_of(path: Path) -> set[str]:
-    """graphstep modules that `path` imports, at any depth of its code (lazy imports count too;
-    imports for type checkers only do not run, so they do not)."""
+    """graphstep modules that `path` imports, at any depth of its code (lazy imports count too, and
+    so do imports for type checkers only: a circle of them is a circle of the design)."""
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
@@ -34,15 +34,6 @@ def imports_of(path: Path) -> set[str]:
         found.update(n for n in names if n.startswith("graphstep") and module_path(n) is not None)
     found.discard(module)
     return found
-
-
-def _runtime_nodes(tree: ast.AST):
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for child in node.orelse for n in _runtime_nodes(child))
-            continue
-        yield node
-        yield from _runtime_nodes(node)
 
 
 def module_path(name: str) -> Path | None:

@@ -22,9 +22,9 @@ from .backends import autograd_segments, library_segments, output_ring, segments
 from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
-from .diagnostics import capture_error
+from .diagnostics import capture_error, is_out_of_memory
 from .effects import host_random
-from .errors import GraphStepError, WarmUpAgain
+from .errors import GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
 from .guards.module_inputs import ModuleInputs
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard, named_modules
@@ -156,6 +156,10 @@ def capture_variant(
             if isinstance(error, GraphStepError)
             else capture_error(ctx.name, error, ctx.state.named_modules_roots())
         )
+        if ctx.ranks is None and backend.static_buffers and is_out_of_memory(error):
+            # Not a graph break or an optimizer to move: the same step fits once memory is free. (The
+            # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
+            raise OutOfMemoryAtCapture(str(converted)) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.
             return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)

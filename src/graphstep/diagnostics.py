@@ -101,6 +101,11 @@ _HOST_SYNC = (
 )
 _LIKELY_CAUSES = (
     (
+        ("out of memory",),
+        "the GPU ran out of memory during the capture: free memory (a smaller batch, tensors of earlier "
+        "steps dropped, `torch.cuda.empty_cache()`), then call the step again",
+    ),
+    (
         ("legacy stream depend on a capturing",),
         "autograd runs part of the backward on the default CUDA stream, which no graph can capture: "
         "a module kept state made on it. DistributedDataParallel keeps its gradient accumulators on the "
@@ -137,6 +142,10 @@ def likely_cause(exc: BaseException) -> str:
 
 def is_host_sync(exc: BaseException) -> bool:
     return likely_cause(exc) is _HOST_SYNC
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
 
 
 def capture_error(step_name: str, exc: BaseException, modules: Iterable[tuple[str, Any]] = ()) -> Exception:

@@ -20,6 +20,12 @@ class WarmUpAgain(CaptureError):
         self.after_break = after_break
 
 
+class OutOfMemoryAtCapture(WarmUpAgain):
+    """Internal: the GPU ran out of memory while a graph was being captured. Nothing of the capture is
+    kept; that call runs as one more warm-up (an eager step) and the next call captures again. When that
+    capture runs out of memory too, a `CaptureError` says so."""
+
+
 class CompileAtCaptureError(WarmUpAgain):
     """A `torch.compile`d part of the step would compile during the capture: dynamo's guards on it
     failed, or it never ran in a warm-up. A graph cannot record a compilation; nothing ran. The first

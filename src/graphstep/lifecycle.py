@@ -31,7 +31,7 @@ from .backends.buffers import InputBuffers
 from .capturing import Variant, capture_variant
 from .diagnostics import log, stale_message
 from .distributed.ranks import Agreement, Phase
-from .errors import CaptureError, CompileAtCaptureError, StaleGraphError, WarmUpAgain
+from .errors import CaptureError, CompileAtCaptureError, OutOfMemoryAtCapture, StaleGraphError, WarmUpAgain
 from .guards.churn import Probe, VariantChurn
 from .guards.reads import ReadWatch
 from .guards.state_guard import trainable
@@ -105,11 +105,7 @@ def _plan(life: Lifecycle) -> Plan:
         # created lazily (a layer unfrozen): a capture now would record that first step forever.
         # Warm up once more first.
         return Plan(Phase.EAGER, "rewarm", texts)
-    movable = ctx.modes.movable(changes)
-    if movable:
-        ctx.modes.move_to_eager(
-            movable, "a hyperparameter it reads as a Python number changed:\n" + _listed(texts)
-        )
+    if ctx.modes.move_for_changes(changes):  # a baked hyperparameter changed: its log names it
         return Plan(Phase.CAPTURE, "switch", texts)
     if all(getattr(c, "variant", False) and getattr(c, "optimizer", None) is None for c in changes):
         full = ctx.graphs_alive() >= ctx.config.max_graphs
@@ -148,7 +144,7 @@ class Lifecycle:
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
         """The output tensors of the last warm-up, described: the output ring is made like them."""
-        self.gave_way_for: str | None = None  # the last capture gave way to a warm-up: "compile", "segments"
+        self.gave_way_for: str | None = None  # the last capture gave way to: "compile", "segments", "memory"
         self.segment_results: list = []
         """What each user eager segment returned in the last warm-up (a capture hands out such buffers)."""
         self.churn = VariantChurn(ctx.name)
@@ -383,11 +379,24 @@ class Lifecycle:
 
 
 def _warm_up_again(life: Lifecycle, again: WarmUpAgain, args: tuple, kwargs: dict) -> Any:
-    """A graph break was just made, or the step called eager segments the last warm-up did not:
+    """A graph break was just made, the step called eager segments the last warm-up did not, or the GPU
+    ran out of memory during the capture (twice in a row: raised):
     this call is one more warm-up (nothing of the failed capture is left), the next captures.
     Twice in a row without a break: the step's segments change from call to call. Likewise for a
     compiled frame that would have compiled during the capture (see `backends/compiled.py`)."""
     compiling = isinstance(again, CompileAtCaptureError)  # a compiled frame would have compiled
+    if isinstance(again, OutOfMemoryAtCapture):
+        if life.gave_way_for == "memory":  # twice in a row: memory is short, not momentarily full
+            life.gave_way_for = None
+            raise CaptureError(f"{again}\nThe previous capture ran out of memory too.") from again.__cause__
+        log.warning(
+            "graphstep: %s: the GPU ran out of memory while capturing; nothing of the capture is kept, this "
+            "call ran as an eager step, and the next call captures again.",
+            life.ctx.name,
+        )
+        life.gave_way_for = "memory"
+        life.warmups = min(life.warmups, life.ctx.warmups_needed - 1)
+        return life.warm_up(args, kwargs)
     if compiling:
         compiled.gave_way(life.ctx.name, again, repeated=life.gave_way_for == "compile")
     elif not again.after_break and life.gave_way_for is not None:

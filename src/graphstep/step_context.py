@@ -19,9 +19,10 @@ from .backends.loose import LooseArguments
 from .config import Config
 from .diagnostics import StepStats
 from .distributed import Ranks
-from .errors import GraphStepError
+from .errors import CaptureError, GraphStepError
 from .guards import barriers, bindings
 from .optim import OptimizerAdapter
+from .optim.adapter import sparse_padding, sparse_parameters
 from .optim.modes import OptimizerModes
 from .state import TrainingState
 
@@ -70,6 +71,9 @@ class StepContext:
         generators = generators + [g for g in found if not any(g is known for known in generators)]
         optim = OptimizerAdapter(state.optimizers, allow_eager=config.optimizer_mode != "graph")
         backend = shared_backend or choose_backend(config, leaves, state, name)
+        refused = sparse_padding(state.named_modules_roots()) if backend.static_buffers else None
+        if refused:  # (the eager backend runs it as eager does)
+            raise CaptureError(f"{name}: {refused}")
         backend.users += 1
         if ranks is not None and isinstance(backend, CudaGraphBackend):
             distributed.check_nccl_graph_registration(ranks.group)
@@ -88,7 +92,7 @@ class StepContext:
             # The write barriers the guards use, in place before the first warm-up: a torch.compile'd
             # model compiled then sees nn.Module's hooks as the capture will (else it recompiles).
             barriers.install()
-            optim.prepare(getattr(backend, "device", "cpu"))
+            optim.prepare(getattr(backend, "device", "cpu"), sparse_parameters(state.modules))
             if config.optimizer_mode == "eager":
                 modes.move_to_eager(state.optimizers, 'Config(optimizer_mode="eager")')
         return cls(

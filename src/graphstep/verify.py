@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,9 +23,24 @@ from . import signature as sig
 from .errors import VerificationError
 from .guards.state_guard import named_state_tensors
 from .state import Snapshot, TrainingState
+from .step_context import StepContext
 
-if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+
+class Life(Protocol):
+    """What `verified_replay` needs of one signature's lifecycle (`lifecycle.Lifecycle`, which calls it):
+    named here, so that this module does not import the one that imports it."""
+
+    ctx: StepContext
+    inputs: Any
+    """The static input buffers (`backends.buffers`): `.tensors`, empty where the backend has none."""
+    signature: sig.Signature
+    current: Any
+    """The variant replays use: `.recording.replay(args, kwargs)`."""
+    variants: list
+
+    def capture(self, leaves: list, args: tuple, kwargs: dict, *, replaced: list) -> Any:
+        """Capture a graph for the current state and perform this call's step with it."""
+        ...
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
@@ -76,7 +91,7 @@ def verify(
     return outputs
 
 
-def verified_replay(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
+def verified_replay(life: Life, leaves: list, args: tuple, kwargs: dict) -> Any:
     """A replay checked against a reference run of the same step (`Config(verify_every=N)`)."""
     ctx = life.ctx
     # The reference run reads the same static buffers the replay will.
@@ -96,7 +111,7 @@ def verified_replay(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) ->
     )
 
 
-def _fresh_capture_run(life: Lifecycle, leaves: list, args: tuple, kwargs: dict) -> Any:
+def _fresh_capture_run(life: Life, leaves: list, args: tuple, kwargs: dict) -> Any:
     """Capture this call afresh from the current state and run it once (`verify_against=
     "capture"`): a graph that baked a stale value differs from it, while a library's
     capture-only code path (transformers') is taken by both."""

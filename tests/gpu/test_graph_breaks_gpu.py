@@ -15,7 +15,7 @@ from gpu_common import deterministic, needs_cuda
 import graphstep
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from break_models import CTCHead, CTCNet, MoENet, SetCriterion, TinyDETR, ctc_batches
+from break_models import CTCHead, CTCNet, MoENet, SetCriterion, SharedNet, TiedLM, TinyDETR, ctc_batches
 
 pytestmark = needs_cuda
 
@@ -258,3 +258,56 @@ def test_a_torchmetrics_update_with_its_checks_runs_as_a_break():
     compare(make(m_e, o_e, metrics[0]), step, data, (m_e, m_g))
     assert torch.equal(metrics[0].compute(), metrics[1].compute())
     assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
+
+
+# -- data flow around a break: a tensor used inside the break and outside it (grad_order.py) ----------
+
+
+def shared_step(model, opt, loss_fn=torch.nn.functional.mse_loss):
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # bf16 sums: any other order shows at once
+            loss = loss_fn(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def token_data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-2, 1, 12)
+    return [
+        ((torch.randn(64, 12, generator=g) * spread).cuda(), torch.randn(64, 1, generator=g).cuda())
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("breaks", ["auto", "marked"])
+@pytest.mark.parametrize("kind", ["residual", "postnorm", "chain"])
+def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks):
+    """`h + mix(h)` (the residual reads the break's own input), BERT's `norm(h + mix(h))`, two breaks
+    in a row reading `h`: each use's gradient is added in eager's order."""
+    (m_e, o_e), (m_g, o_g) = twins(lambda: SharedNet(kind, sync=breaks == "auto"))
+    if breaks == "marked":
+        for mix in [*m_g.mix, *m_g.mix2]:
+            graphstep.eager_segment(mix)
+    step = graphstep.capture(shared_step(m_g, o_g), model=m_g, optimizer=o_g)
+    compare(shared_step(m_e, o_e), step, token_data(20), (m_e, m_g))
+    assert step.stats.captures == 1 and step.stats.graph_breaks == (breaks == "auto"), step.stats
+
+
+@pytest.mark.parametrize("breaks", ["auto", "marked"])
+def test_tied_embedding_weights_used_inside_a_break_and_by_the_head_train_bitwise(breaks):
+    """The table is looked up twice inside the break and read by the head after it (cast by autocast
+    there, not inside: embedding lookups take it as it is)."""
+    (m_e, o_e), (m_g, o_g) = twins(TiedLM)
+    if breaks == "marked":
+        graphstep.eager_segment(m_g.embed)
+    loss_fn = torch.nn.functional.cross_entropy
+    step = graphstep.capture(shared_step(m_g, o_g, loss_fn), model=m_g, optimizer=o_g)
+    g = torch.Generator().manual_seed(0)
+    data = [(ids.cuda(), ids.roll(1).cuda()) for ids in torch.randint(0, 24, (20, 64), generator=g)]
+    compare(shared_step(m_e, o_e, loss_fn), step, data, (m_e, m_g))
+    assert step.stats.captures == 1 and step.stats.graph_breaks == (breaks == "auto"), step.stats

@@ -160,3 +160,96 @@ def test_optimizer_and_schedule_bitwise_equal_to_eager_with_one_capture(name, im
     assert step.backend_name == "cuda" and s.captures == 1, s
     assert s.replays == N_STEPS - 3, s  # three warm-ups; the capturing call replays too
     step.close()
+
+
+# -- sparse gradients (issue 40, item 4) ---------------------------------------------------------
+
+
+class SparseBag(nn.Module):
+    """A sparse embedding (its gradient is a sparse COO tensor) under a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32, sparse=True)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # idx: (B, T), y: (B, T)
+        return torch.nn.functional.cross_entropy(self.head(self.emb(idx)).flatten(0, 1), y.flatten())
+
+
+def _sparse_run(model, opt, call, data):
+    losses = [call(idx, y) for idx, y in data]
+    torch.cuda.synchronize()
+    return losses
+
+
+def _sparse_step(model, opt):
+    def step(idx, y):
+        loss = model(idx, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def _sparse_data(n: int = 12):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(64, (8, 10), generator=g).cuda(), torch.randint(8, (8, 10), generator=g).cuda())
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_with_a_sparse_embedding_equals_plain_eager(momentum):
+    """SGD built with neither foreach nor fused over a sparse embedding: graphstep keeps torch's default
+    (fused SGD refuses sparse gradients) and runs the step as an eager segment; bitwise equal to the
+    same SGD run plainly, no make_capturable on the eager side."""
+    torch.manual_seed(0)
+    model = SparseBag().cuda()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    eager_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=momentum)
+    step = graphstep.capture(_sparse_step(model, opt), model=model, optimizer=opt)
+    data = _sparse_data()
+    with deterministic():
+        wanted = _sparse_run(twin, eager_opt, _sparse_step(twin, eager_opt), data)
+        losses = _sparse_run(model, opt, step, data)
+    assert opt.param_groups[0]["fused"] is None, "the user's choice, kept"
+    s = step.stats
+    assert step.backend_name == "cuda" and s.captures == 1 and s.replays == len(data) - 3, s
+    for i, (a, b) in enumerate(zip(wanted, losses)):
+        assert torch.equal(a, b), f"step {i}: eager loss {a.item()!r} != graphstep {b.item()!r}"
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), f"{name} differs: max |diff| {(p - q).abs().max().item():.3g}"
+    step.close()
+
+
+def test_a_sparse_group_keeps_its_choice_and_a_dense_group_runs_fused():
+    """Two param groups: the sparse embedding's keeps torch's default, the head's runs fused. The eager
+    twin is made with make_capturable and no model: its sparse group is put back at its first step."""
+    torch.manual_seed(0)
+    model = SparseBag().cuda()
+    twin = copy.deepcopy(model)
+
+    def make(m):
+        return torch.optim.SGD(
+            [{"params": m.emb.parameters()}, {"params": m.head.parameters()}], lr=0.05, momentum=0.9
+        )
+
+    opt, eager_opt = make(model), make(twin)
+    make_capturable(eager_opt, "cuda")
+    step = graphstep.capture(_sparse_step(model, opt), model=model, optimizer=opt)
+    data = _sparse_data()
+    with deterministic():
+        wanted = _sparse_run(twin, eager_opt, _sparse_step(twin, eager_opt), data)
+        losses = _sparse_run(model, opt, step, data)
+    for o in (opt, eager_opt):
+        assert [g["fused"] for g in o.param_groups] == [None, True], o.param_groups
+    assert all(torch.equal(a, b) for a, b in zip(wanted, losses)), (wanted, losses)
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), f"{name} differs: max |diff| {(p - q).abs().max().item():.3g}"
+    assert step.stats.captures == 1, step.stats
+    step.close()

@@ -17,8 +17,8 @@ parameters are copied into buffers graph C reads. The parameters' gradients reac
 boundary node, in graph C, exactly where eager's autograd would accumulate them (so DDP's gradient
 hooks and a `.grad` that accumulates are captured as usual).
 
-Bitwise: the segment's own arithmetic is eager's; a gradient that several of the segment's operations
-give one input is summed inside the segment in the order autograd sums it eagerly. Random draws in
+Bitwise: the segment's own arithmetic is eager's; each gradient of an input or parameter is summed
+in eager's order, with what users outside the segment give it too (`grad_order.py`). Random draws in
 the segment take the generator's offsets between the graphs', in eager order.
 
 What a replay cannot follow raises rather than guess: results of another structure, shape, dtype or
@@ -45,21 +45,7 @@ from .. import signature as sig
 from ..errors import CaptureError, GraphStepError
 from ..guards.state_guard import SEGMENT_MARK
 from ..profiling import ranged
-from . import loose, segments
-
-
-@dataclasses.dataclass(eq=False)
-class Reach:
-    """What a segment's autograd graph reached in a warm-up."""
-
-    inputs: list[bool]
-    """Per tensor argument: its gradient depends on the segment's results."""
-    params: list[torch.Tensor]
-    """Leaves that require grad (parameters) the segment used."""
-    idle: list[torch.Tensor]
-    """The segment module's parameters it did not use this time (an expert no token reached)."""
-    outputs: list[bool]
-    """Per result tensor: it requires grad."""
+from . import grad_order, loose, segments
 
 
 @torch.compiler.disable  # a compiled model around a segment: dynamo breaks its graph here, never traces it
@@ -108,7 +94,7 @@ def _warm_up(
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         session.seen.append(segments.Seen(name, spec, metas))
         return results
-    reach = _reach(name, inputs, tensors, first, module)
+    reach = grad_order.reach(name, inputs, tensors, first, module)
     session.seen.append(segments.Seen(name, spec, metas, reach))
     return results
 
@@ -116,58 +102,6 @@ def _warm_up(
 def _next_sequence_number() -> int:
     """The sequence number autograd gives the next node made on this thread."""
     return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
-
-
-def _reach(name: str, inputs: list, outputs: list, first: int, module: Any) -> Reach:
-    """Walk the segment's part of autograd's graph, from its results down to its inputs."""
-    edges = {}
-    for i, t in enumerate(inputs):
-        if t.requires_grad:
-            edge = torch.autograd.graph.get_gradient_edge(t)
-            edges[(edge.node, edge.output_nr)] = i
-    input_nodes = {node for node, _ in edges}
-    reached = [False] * len(inputs)
-    leaves: dict[int, torch.Tensor] = {}
-    seen: set = set()
-    todo = [
-        (e.node, e.output_nr)
-        for t in outputs
-        if t.requires_grad
-        for e in [torch.autograd.graph.get_gradient_edge(t)]
-    ]
-    while todo:
-        node, nr = todo.pop()
-        if (node, nr) in edges:
-            reached[edges[(node, nr)]] = True
-            continue
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad: a leaf the segment used
-            leaves[id(variable)] = variable
-            continue
-        if node in input_nodes or node._sequence_nr() < first:
-            raise CaptureError(
-                f"the eager segment {name} uses a tensor with autograd history that is not one of its "
-                "arguments (made before the segment, e.g. kept on a module or in a closure). Its backward "
-                "runs apart from the graphs', so every tensor with history must come in as an argument."
-            )
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend((n, i) for n, i in node.next_functions if n is not None)
-    used = list(leaves.values())
-    idle = []
-    if module is not None:
-        idle = [p for p in module.parameters() if p.requires_grad and id(p) not in leaves]
-    for p in used + idle:
-        if p._backward_hooks:
-            raise CaptureError(
-                f"a parameter of the eager segment {name} has a gradient hook (`register_hook`); its "
-                "gradient is computed in the segment and accumulated in the graph after it, where the "
-                "hook would run twice. Register the hook on the module's output instead."
-            )
-    inputs_in_params = {id(t) for t in inputs}
-    used = [p for p in used if id(p) not in inputs_in_params]
-    return Reach(reached, used, idle, [t.requires_grad for t in outputs])
 
 
 # -- at capture ---------------------------------------------------------------------------------------
@@ -185,7 +119,9 @@ class ForwardSegment:
     outputs: list[torch.Tensor]
     output_spec: Any
     output_requires: list[bool]
-    amp: list[tuple[str, bool, torch.dtype]]
+    amp: list[tuple[str, bool, torch.dtype, bool]]
+    arguments: grad_order.Arguments | None = None
+    """Which inputs are one tensor, and which are leaves it gets as they are (`grad_order`)."""
     backward: BackwardSegment | None = None
     differentiable: bool = True
     """Its results carry history at replay: the capture's backward reached the segment (`finish`)."""
@@ -200,11 +136,8 @@ class ForwardSegment:
         start = time.perf_counter()
         differentiable = self.differentiable
         with ranged("graphstep.eager_segment"), _autocast(self.amp), torch.set_grad_enabled(differentiable):
-            leaves = [
-                b.detach().requires_grad_(True) if r and differentiable else b
-                for b, r in zip(self.inputs, self.requires)
-            ]
-            for i, placeholder in self.loose:
+            leaves = self.arguments.leaves(self.inputs, self.requires, differentiable)
+            for i, placeholder in self.loose:  # the call's own tensor
                 leaves[i] = placeholder.gs_now
             args, kwargs = sig.unflatten(self.input_spec, leaves)
             results = segments.plainly(self.fn, args, kwargs)
@@ -239,8 +172,10 @@ class BackwardSegment:
     zero_ok: list[bool]
     """Per target: a missing gradient is exactly a zero one (the parameter's `.grad` existed at
     capture, so eager would have left it as it was, and graph C adds zero)."""
-    amp: list[tuple[str, bool, torch.dtype]]
+    amp: list[tuple[str, bool, torch.dtype, bool]]
     name: str
+    seeds: list[list[torch.Tensor] | None] = dataclasses.field(default_factory=list)
+    """Per target: what users made after the segment gave it (`grad_order`), its sum's start."""
     host_s: float = 0.0
     """Host time of its last run."""
 
@@ -258,6 +193,8 @@ class BackwardSegment:
                 grads.append(g)
         inputs = [leaf for leaf, r in zip(leaves, fwd.requires) if r]
         targets = inputs + self.params
+        taps, seeds = grad_order.seeded(targets, self.seeds)  # later users' part: first in each sum
+        outs, grads = outs + taps, grads + seeds
         with ranged("graphstep.eager_segment"), _autocast(self.amp):
             got = (
                 torch.autograd.grad(outs, targets, grads, allow_unused=True)
@@ -318,12 +255,14 @@ class _Plan:
     """What the boundary node takes: the tensor arguments, then the parameters the segment uses."""
     loose: list
     forward: ForwardSegment | None = None
+    order: grad_order.Order | None = None
+    """Its targets' users made after it (`grad_order`), once the boundary node exists."""
 
     def begin_forward(self, tensors: tuple) -> ForwardSegment:
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
-        inputs = [t.detach() for t in tensors[: self.n_inputs]]
+        arguments, inputs, requires = grad_order.Arguments.of(tensors[: self.n_inputs], reach.inputs)
         outputs = [
             torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in self.seen.metas
         ]
@@ -332,11 +271,12 @@ class _Plan:
             self.name,
             self.input_spec,
             inputs,
-            [t.requires_grad and r for t, r in zip(tensors[: self.n_inputs], reach.inputs)],
+            requires,
             outputs,
             self.seen.spec,
             reach.outputs,
             _amp_state(),
+            arguments,
             loose=self.loose,
         )
         self.session.segments.append(fwd)
@@ -353,11 +293,13 @@ class _Plan:
                 "outside the captured step, or leave this piece out of segments."
             )
         fwd = self.forward
+        seeds = [] if self.order is None else self.session.order.seeds(self.order)
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
         inputs = [t for t, r in zip(fwd.inputs, fwd.requires) if r]
-        params = reach.params + reach.idle
+        given = {id(t) for t in self.tensors[: self.n_inputs]}
+        params = reach.params + [p for p in reach.idle if id(p) not in given]
         slots: list[torch.Tensor | None] = [torch.empty_like(t) for t in inputs]
         zero_ok = [False] * len(inputs)
         for p in reach.params:
@@ -374,6 +316,7 @@ class _Plan:
             zero_ok,
             _amp_state(),
             self.name,
+            seeds,
         )
         fwd.backward = bwd
         self.session.segments.append(bwd)
@@ -384,6 +327,16 @@ class _Plan:
         grads = [next(by_input) if r else None for r in fwd.requires]
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
         return grads + [by_param.get(id(t)) for t in self.tensors[self.n_inputs :]]
+
+    def watch(self, outputs: tuple) -> None:
+        """After the boundary node exists: have the capture's backward find its targets' later users."""
+        node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
+        if node is not None:
+            given = self.tensors[: self.n_inputs]
+            wanted = [(t, f"its argument {i} {segments.describe([t])}") for i, t in enumerate(given)]
+            wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
+            wanted += [(p, f"its parameter of shape {list(p.shape)}") for p in self.seen.reach.params]
+            self.order = self.session.order.follow(self.name, node, wanted, self.seen.reach.casts)
 
 
 def _split(
@@ -406,6 +359,8 @@ def _split(
     params = [p for p in reach.params + reach.idle if id(p) not in known]
     plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params, held)
     outputs = _Boundary.apply(plan, *inputs, *params)
+    if plan.forward is not None:
+        plan.watch(outputs)
     return sig.unflatten(seen.spec, list(outputs))
 
 
@@ -479,15 +434,16 @@ def _devices() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-def _amp_state() -> list[tuple[str, bool, torch.dtype]]:
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _devices()]
+def _amp_state() -> list[tuple[str, bool, torch.dtype, bool]]:
+    cache = torch.is_autocast_cache_enabled()  # off: each use casts a parameter anew, inside as well
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), cache) for d in _devices()]
 
 
 @contextlib.contextmanager
-def _autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+def _autocast(state: list[tuple[str, bool, torch.dtype, bool]]) -> Iterator[None]:
     """Autocast as it was where the capture reached the segment: a replay runs none of the step's Python."""
     with contextlib.ExitStack() as stack:
-        for device, enabled, dtype in state:
+        for device, enabled, dtype, cache in state:
             if enabled or torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
         yield

@@ -61,6 +61,9 @@ class CudaGraphBackend:
         self.users = 0
         """Captured steps using this backend (`capture(share_pool_with=...)`); close() at the last."""
         self._prime_library_workspaces()
+        # Allocated now: after a capture that ran out of memory, `_end_generator_capture` must not
+        # allocate inside its capture (a failure there would leave the stream capturing).
+        self._draw = torch.empty(1, device=device)
 
     def _new_pool(self) -> tuple[int, int]:
         pool = torch.cuda.graph_pool_handle()
@@ -103,7 +106,22 @@ class CudaGraphBackend:
             end(self.index, self.pool)
             release(self.index, self.pool)
 
+    def _make_room(self) -> None:
+        """Give the allocator's unused cached blocks back to the driver when the driver has less free.
+
+        Eagerly, an allocation that finds no free device memory makes the caching allocator hand its
+        unused cached blocks back and try again. While allocations go to a pool (a warm-up, a capture)
+        it cannot: a warm-up or capture would run out of memory where eager would not. Called before
+        each, never on a replay.
+        """
+        free, _ = torch.cuda.mem_get_info(self.index)
+        unused = torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index)
+        if free < unused:
+            with torch.cuda.device(self.index):
+                torch.cuda.empty_cache()
+
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
+        self._make_room()
         # as_captured: libraries that compute differently while a stream captures (transformers)
         # run the path the graph will replay, so a compiled model compiles it here, not in capture.
         with (
@@ -144,6 +162,7 @@ class CudaGraphBackend:
 
         torch.cuda.synchronize(self.index)
         gc.collect()  # a collection inside capture could free memory a kernel is using
+        self._make_room()
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
@@ -192,8 +211,10 @@ class CudaGraphBackend:
                 graph.register_generator_state(generator)
             with torch.cuda.stream(self.stream):
                 graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
-                torch.empty(1, device=self.device).uniform_()
-                graph.capture_end()
+                try:
+                    self._draw.uniform_()
+                finally:
+                    graph.capture_end()
             graph.reset()
             self.stream.synchronize()
 

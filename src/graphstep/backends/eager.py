@@ -1,4 +1,13 @@
-"""`EagerBackend`: the step runs eagerly on every call, for CPU tensors or machines without CUDA."""
+"""`EagerBackend`: the step runs eagerly on every call, for CPU tensors or machines without CUDA.
+
+It runs the step exactly as plain eager does: under no Python dispatch mode. While any dispatch mode
+is active, ATen treats every tensor as a subclass (`at::isTensorSubclassLike`), and some composite
+operations and backward formulas then take another path (`prod`'s backward, for one), whose results
+differ in the last bits: a pass-through mode alone changed Faster R-CNN's gradients. So the capture
+here keeps no undo log (`undo.py` is one such mode). Nothing needs one: no watch refuses anything on
+this backend and nothing retries a failed call; a step that raises leaves what it wrote as eager
+would, and the capture's snapshot puts the model, the optimizer and the RNG back.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,6 @@ from typing import Any
 
 from .base import CaptureBody, HostBackend, Recording
 from .segments import Splitter
-from .undo import UndoLog
 
 
 def _no_split() -> None:
@@ -46,12 +54,5 @@ class EagerBackend(HostBackend):
         *,
         split_in_backward: bool = False,
     ) -> Recording:
-        # The step runs here; if it (or the check of its outputs) fails, take its writes back.
-        undo = UndoLog()
-        try:
-            with undo:
-                outputs = body(_NO_SPLIT, *args, **kwargs)
-        except BaseException:
-            undo.roll_back()
-            raise
-        return _EagerRecording(body, outputs)
+        # The step runs here, as plain eager runs it (see the module's docstring: no dispatch mode).
+        return _EagerRecording(body, body(_NO_SPLIT, *args, **kwargs))

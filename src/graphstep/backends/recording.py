@@ -11,6 +11,13 @@ learning rate changed by hand is ignored, and a result read with `.item()` canno
 
 Capture raises for operations that would synchronise a CUDA stream with the host, as a real
 capture does, and undoes the writes the step made before it failed.
+
+The CPU generator is this stand-in's device generator: a replay's random operations draw from it as
+eager's do. A step that saves and restores its state (`torch.get_rng_state()` /
+`torch.set_rng_state()`: activation checkpointing's recompute draws the forward's dropout masks again
+that way) has those two recorded as operations of the recording too, in their place among the others:
+a replay saves the generator's state of that replay into the saved tensor, and restores from the
+tensor it restored from. Relative to the replay's own generator, as a CUDA graph's philox offsets are.
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ class _Recorder(UndoLog):
             known = self._aliases[id(x)] = (x, x.detach())
         return known[1]
 
+    def host_op(self, op: Any) -> None:
+        """Record `op()` (no arguments, no result) to run at its place in the replay."""
+        if not self.paused:
+            self.parts[-1].append((op, (), {}, _HOST_OP))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.paused:
@@ -90,6 +102,8 @@ def _replay_ops(ops: list) -> None:
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for func, op_args, op_kwargs, recorded in ops:
             result = func(*op_args, **op_kwargs)
+            if recorded is _HOST_OP:
+                continue
             returns = func._schema.returns
             if not returns:
                 continue
@@ -103,7 +117,10 @@ def _replay_ops(ops: list) -> None:
                 elif not isinstance(buffers, (list, tuple)):
                     continue
                 for buffer, value in zip(buffers, values):
-                    buffer.copy_(value)
+                    if buffer.layout == torch.sparse_coo:
+                        _refill_sparse(buffer, value)
+                    else:
+                        buffer.copy_(value)
 
 
 class RecordingBackend(HostBackend):
@@ -132,6 +149,7 @@ class RecordingBackend(HostBackend):
                 no_compiling() if MODES_KEEP_COMPILED else contextlib.nullcontext(),
                 recorder,
                 _pretend_capturing(),
+                _recording_rng_state(recorder),
             ):
                 outputs = body(
                     Splitter(recorder.end_part, recorder.begin_part, executes=True), *args, **kwargs
@@ -148,6 +166,60 @@ class RecordingBackend(HostBackend):
 
 def _nothing() -> None:
     pass
+
+
+def _refill_sparse(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """A sparse result written into the recorded one's own index and value memory, as a graph's kernels
+    write (`copy_` would give the recorded alias new memory, which the tensor it aliases, a sparse
+    gradient an eager segment reads, would never see)."""
+    if buffer._nnz() != value._nnz():
+        raise RuntimeError(
+            f"a sparse result holds {value._nnz()} entries in this replay and held {buffer._nnz()} at "
+            "capture: a graph holds fixed sizes (simulated by graphstep's recording backend)"
+        )
+    buffer._indices().copy_(value._indices())
+    buffer._values().copy_(value._values())
+
+
+_HOST_OP = object()
+"""In a part's list: the entry is a host operation (`_Recorder.host_op`), not an ATen one."""
+
+
+@contextlib.contextmanager
+def _recording_rng_state(recorder: _Recorder) -> Iterator[None]:
+    """`torch.get_rng_state` / `torch.set_rng_state` (the CPU generator's) recorded while capturing.
+
+    torch's checkpointing and `torch.random.fork_rng` call them through the `torch` module, which is
+    where they are replaced (the generator's own methods belong to a C type)."""
+    from torch import random as torch_random
+
+    get, set_ = torch.get_rng_state, torch.set_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = get()
+        recorder.host_op(functools.partial(_save_state, state))
+        return state
+
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        set_(new_state)
+        if isinstance(new_state, torch.Tensor):
+            # the tensor as it will be at that point of the replay: saved there by the replay, or
+            # written by its operations, or the caller's own (read then, as a graph reads memory)
+            recorder.host_op(functools.partial(set_, new_state))
+
+    modules = (torch, torch_random)
+    saved = [(m, m.get_rng_state, m.set_rng_state) for m in modules]
+    for m in modules:
+        m.get_rng_state, m.set_rng_state = get_rng_state, set_rng_state
+    try:
+        yield
+    finally:
+        for m, g, s in saved:
+            m.get_rng_state, m.set_rng_state = g, s
+
+
+def _save_state(state: torch.Tensor) -> None:
+    state.copy_(torch.default_generator.get_state())
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ import torch
 from .. import signature as sig
 from ..errors import CaptureError, GraphStepError, WarmUpAgain
 from ..profiling import ranged
-from . import loose
+from . import grad_order, loose
 
 _local = threading.local()
 _NONE_SPEC = sig.flatten(None)[1]
@@ -141,6 +141,10 @@ class Capture:
         self.params = params
         self.seen = iter(seen)
         self.segments: list[Segment] = []
+        self.exits = contextlib.ExitStack()
+        """What the capture's end undoes (autograd's entry, wrapped for `order`)."""
+        self.order = grad_order.Watch(self.exits)
+        """Segments on the autograd path whose gradients must be summed in eager's order."""
 
 
 _PLAIN: Any = object()
@@ -186,7 +190,7 @@ def capturing(splitter: Splitter, params: list[torch.Tensor], seen: list[Seen]) 
     session = Capture(splitter, params, seen)
     _captures += 1
     try:
-        with _activate(session):
+        with session.exits, _activate(session):
             yield session
     finally:
         _captures -= 1

@@ -1,6 +1,6 @@
 """`UndoLog`: remember every tensor a piece of code writes, so its writes can be taken back.
 
-A capture that executes the step (the eager and recording backends) and then fails must leave
+A capture that executes the step (the recording backend) and then fails must leave
 the model and optimizer as they were before the call. Under this dispatch mode each tensor
 is copied just before its first in-place or `out=` write; `roll_back()` copies them back.
 """
@@ -42,6 +42,12 @@ class UndoLog(TorchDispatchMode):
             for written in value if isinstance(value, (list, tuple)) else [value]:
                 if not isinstance(written, torch.Tensor) or written.device.type == "meta":
                     continue
+                if written.layout != torch.strided:  # sparse (SGD's momentum of a sparse gradient)
+                    key = (id(written), -1, (), ())  # no storage of its own: the tensor itself, kept
+                    if key not in self._seen:
+                        self._seen.add(key)
+                        self._saved.append((written, written.detach().clone()))
+                    continue
                 for t in holders(written):
                     key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
                     if key not in self._seen:
@@ -52,7 +58,7 @@ class UndoLog(TorchDispatchMode):
         """Put back every tensor written since this log was entered, newest write first."""
         with torch.no_grad():
             for target, saved in reversed(self._saved):
-                if _holds_storage(target):
+                if target.layout != torch.strided or _holds_storage(target):
                     target.copy_(saved)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..diagnostics import _describe, is_host_sync, log, user_frame_of
+from ..diagnostics import _describe, is_host_sync, is_out_of_memory, log, user_frame_of
 from ..errors import CaptureError, CollectiveMismatchError, GraphStepError, HostSyncError, RankFailedError
 
 WATCHABLE = "ignore_compile_internals" in vars(TorchDispatchMode)
@@ -63,7 +63,7 @@ def failure_code(error: BaseException | None) -> int:
         return 0
     if isinstance(error, HostSyncError) or (isinstance(error, Exception) and is_host_sync(error)):
         return HOST_SYNC
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+    if is_out_of_memory(error):
         return OUT_OF_MEMORY
     if not isinstance(error, Exception):
         return INTERRUPTED

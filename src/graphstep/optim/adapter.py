@@ -9,7 +9,10 @@ a 0-d device tensor (*live*) that a scheduler's change is copied into. Which val
 optimizer and implementation, is `table.py`'s data and the table in docs/optimizers.md (a test keeps
 them equal); the rest of the reasoning is written there too. `foreach`/`fused` stay as the user chose,
 with one exception: SGD, Adam and AdamW on CUDA whose user chose neither run fused (graphstep's
-choice, logged once; `table.FUSED_BY_CHOICE` says why).
+choice, logged once; `table.FUSED_BY_CHOICE` says why), unless torch's fused kernel would refuse the
+group: sparse gradients (a sparse embedding's weight, known before the first step; or a sparse
+gradient seen at a step, which puts the group back before the fused kernel runs: `live.py`), a dtype
+or a device it does not take. Such a group keeps its user's implementation, with a log line saying why.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "host_sync_hint",
     "make_capturable",
     "plan",
+    "sparse_parameters",
 ]
 
 
@@ -84,10 +88,11 @@ class OptimizerAdapter:
                 )
         self.device: torch.device | None = None
 
-    def prepare(self, device: torch.device | str) -> None:
+    def prepare(self, device: torch.device | str, sparse: Iterable[torch.Tensor] = ()) -> None:
         """Set capturable flags, move host state to the device, install the hooks. Idempotent.
 
         Live hyperparameters become device tensors at the first `before_call` or optimizer step.
+        `sparse`: parameters known to get sparse gradients (`sparse_parameters`): never fused.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -96,7 +101,10 @@ class OptimizerAdapter:
             if device != self.device:
                 raise GraphStepError(f"the optimizers were prepared for {self.device}, not {device}.")
             return
-        plans = [plan(optimizer, device) for optimizer in self.optimizers]  # raises before any change
+        known_sparse = {id(p) for p in sparse}
+        plans = [
+            plan(optimizer, device, known_sparse) for optimizer in self.optimizers
+        ]  # raises before any change
         for optimizer, group_plans in zip(self.optimizers, plans):
             if group_plans and group_plans[0].eager_only and not self.allow_eager:
                 why = group_plans[0].eager_only
@@ -106,6 +114,9 @@ class OptimizerAdapter:
             first = optimizer not in LIVE  # a second adapter of it (an eager twin's, say) logs nothing
             live = Live.of(optimizer, device)
             live.plans = group_plans
+            live.sparse |= {
+                i for g in optimizer.param_groups for p in g["params"] if (i := id(p)) in known_sparse
+            }
             for group, p in zip(optimizer.param_groups, group_plans):
                 if p.capturable:
                     group["capturable"] = True
@@ -190,6 +201,17 @@ class OptimizerAdapter:
         plans = self._plans(optimizer)
         return (plans[0].eager_only if plans else eager_only_reason(optimizer, True)) or None
 
+    def sparse_grads(self, optimizer: Optimizer) -> str | None:
+        """Why `optimizer`'s step cannot be in a graph because of sparse gradients, or None."""
+        live = LIVE.get(optimizer)
+        if live is None or not live.sparse:
+            return None
+        return (
+            "it updates parameters whose gradients are sparse (nn.Embedding or nn.EmbeddingBag with "
+            "sparse=True): how many rows a sparse gradient holds, and how many a momentum buffer made "
+            "from it accumulates, depends on the data, and a graph holds fixed sizes"
+        )
+
     def why_baked(self, optimizer: Optimizer, key: str) -> str:
         """One line for a log message: why a change of `key` cannot stay in the graph."""
         plans = self._plans(optimizer)
@@ -203,19 +225,59 @@ class OptimizerAdapter:
         return plan(optimizer, self.device or (params[0].device if params else "cpu"))
 
 
-def make_capturable(optimizer: Optimizer, device: torch.device | str | None = None) -> OptimizerAdapter:
+def make_capturable(
+    optimizer: Optimizer, device: torch.device | str | None = None, model: torch.nn.Module | None = None
+) -> OptimizerAdapter:
     """Prepare `optimizer` as `graphstep.capture(optimizer=...)` does, and return its adapter.
 
     Apply it to an eager twin, so both runs use the same settings (a bitwise comparison needs
     that). `device` defaults to the device of the optimizer's first parameter. Nothing is needed
-    per step: a step pre-hook keeps the live hyperparameters in the param groups.
+    per step: a step pre-hook keeps the live hyperparameters in the param groups (and puts a group
+    that meets sparse gradients back to its user's implementation before its first step). `model`:
+    its sparse embeddings' weights are known to get sparse gradients before any step.
     """
     if device is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
     adapter = OptimizerAdapter([optimizer], allow_eager=True)
-    adapter.prepare(device)
+    adapter.prepare(device, sparse_parameters([model] if model is not None else []))
     return adapter
+
+
+def sparse_parameters(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The weights of the sparse embeddings (`nn.Embedding` / `nn.EmbeddingBag` with `sparse=True`)
+    among `modules` and their submodules: their gradients are sparse."""
+    found: dict[int, torch.Tensor] = {}
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+                found[id(module.weight)] = module.weight
+    return list(found.values())
+
+
+def sparse_padding(roots: Iterable[tuple[str, torch.nn.Module]]) -> str | None:
+    """Why a step training these modules (label, module) cannot be graphed because of a sparse
+    embedding with a `padding_idx`, or None. Its backward leaves the padding rows out of the sparse
+    gradient (boolean-mask indexing): a size that depends on the data, found only as a host sync
+    inside autograd's backward, where no user line explains it."""
+    for label, root in roots:
+        for path, module in root.named_modules():
+            if (
+                isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                and module.sparse
+                and module.padding_idx is not None
+                and module.weight.requires_grad
+            ):
+                where = f"{label}.{path}" if path else label
+                kind = type(module).__name__
+                return (
+                    f"{where} is nn.{kind}(sparse=True, padding_idx={module.padding_idx}): its backward leaves "
+                    "the padding rows out of the sparse gradient, so the gradient's size depends on the data, "
+                    "which no graph can hold. Use sparse=False (a dense gradient, any optimizer, all in the "
+                    "graph), or sparse=True without padding_idx (the optimizer's step then runs as an eager "
+                    'segment), or run this step with Config(backend="eager").'
+                )
+    return None
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -240,6 +302,14 @@ def _log_plan(optimizer: Optimizer, group_plans: list[GroupPlan]) -> None:
             name,
         )
     for i, p in enumerate(group_plans):
+        if p.kept:
+            log.info(
+                "graphstep: %s param group %d keeps its user's implementation (%s), not fused=True: %s.",
+                name,
+                i,
+                p.impl,
+                p.kept,
+            )
         live = sorted(p.live)
         baked = [k for k in numbers_ if k not in p.live or p.live[k] is not table.SCALAR]
         log.info(

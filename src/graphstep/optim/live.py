@@ -9,6 +9,7 @@ step pre-hook does that in an eager loop, so `make_capturable` needs no per-step
 
 from __future__ import annotations
 
+import logging
 import numbers
 import weakref
 
@@ -16,8 +17,11 @@ import torch
 from torch.optim import Optimizer
 
 from ..errors import GraphStepError
+from . import table
 from .load import move_host_state
 from .plan import GroupPlan, plan
+
+log = logging.getLogger("graphstep")
 
 
 class Live:
@@ -29,6 +33,11 @@ class Live:
         self.plans: list[GroupPlan] = []
         self.slots: list[list[_Slot]] = []
         """Per param group, one per live key; made at the first absorb."""
+        self.sparse: set[int] = set()
+        """Ids of the parameters known to get sparse gradients: a sparse embedding's weight (told by
+        `prepare`), or a sparse gradient seen at a step (`watch_grads`)."""
+        self._seen = 0
+        """The leading param groups that have shown every gradient at a step (`watch_grads`)."""
 
     @staticmethod
     def of(optimizer: Optimizer, device: torch.device) -> Live:
@@ -55,6 +64,47 @@ class Live:
                     )
                 group[slot.key] = slot.current = slot.take(value)
 
+    def watch_grads(self, optimizer: Optimizer) -> None:
+        """Before a step: a sparse gradient in a group graphstep made fused puts the group back to its
+        user's implementation now, before torch's fused kernel refuses it (`table.why_not_fused`).
+        A group is looked at until it has shown every gradient once: O(groups) after that."""
+        groups = optimizer.param_groups
+        for i in range(self._seen, len(groups)):
+            params = groups[i]["params"]
+            found = [id(p) for p in params if p.grad is not None and p.grad.is_sparse]
+            if found:
+                self.sparse.update(found)
+                if i < len(self.plans) and self.plans[i].fuse:
+                    self._unfuse(optimizer, i)
+            if i == self._seen and all(p.grad is not None for p in params):
+                self._seen = i + 1
+
+    def _unfuse(self, optimizer: Optimizer, i: int) -> None:
+        group = optimizer.param_groups[i]
+        group["fused"] = None  # its user's choice: graphstep sets fused=True only where it was None
+        if optimizer.defaults.get("fused") is True and not any(
+            p.fuse for j, p in enumerate(self.plans) if j != i
+        ):
+            optimizer.defaults["fused"] = None
+        new = plan(optimizer, self.device, self.sparse)
+        if i < len(self.slots):
+            keys = set(new[i].live)
+            for slot in self.slots[i]:
+                if slot.key not in keys:  # the number (or the user's tensor) it held, back
+                    group[slot.key] = slot.given
+            kept = [s for s in self.slots[i] if s.key in keys]
+            self.slots[i] = kept + [
+                _Slot(k, w, self.device) for k, w in new[i].live.items() if all(s.key != k for s in kept)
+            ]
+        self.plans[i] = new[i]
+        log.info(
+            "graphstep: %s param group %d keeps its user's implementation (%s), not fused=True: %s.",
+            type(optimizer).__qualname__,
+            i,
+            new[i].impl,
+            table.SPARSE_NOT_FUSED,
+        )
+
     @staticmethod
     def absorb_loaded(optimizer: Optimizer) -> None:
         """After `load_state_dict`: copy the loaded numbers into the tensors, if they are in use."""
@@ -67,7 +117,7 @@ class Live:
         # parameters are new to a graph, so a captured step captures again anyway (guards).
         groups = optimizer.param_groups
         if len(self.plans) != len(groups):
-            self.plans = plan(optimizer, self.device)
+            self.plans = plan(optimizer, self.device, self.sparse)
             for group, p in list(zip(groups, self.plans))[len(self.slots) :]:
                 if p.capturable:
                     group["capturable"] = True
@@ -88,9 +138,13 @@ class _Slot:
             [None] if positions is None else [None] * (max(positions) + 1)
         )
         self.current: object = None
+        self.given: object = None
+        """What was last assigned to the key (a number, or a tuple): what the group holds again should
+        the key stop being live (`Live._unfuse`)."""
 
     def take(self, value: object) -> object:
         """Write `value`'s live numbers into this slot's tensors; what the group should hold."""
+        self.given = value
         if self.positions is None:
             return self._write(0, value)
         if not isinstance(value, (tuple, list)) or len(value) < len(self.tensors):
@@ -131,6 +185,7 @@ def _before_step(optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
     """Step pre-hook: an eager loop needs no per-step call (`make_capturable`)."""
     live = LIVE.get(optimizer)
     if live is not None:
+        live.watch_grads(optimizer)
         live.absorb(optimizer, in_step=True)
 
 

@@ -2,8 +2,9 @@
 
 An optimizer moves to an eager segment, once and for good, when its step would differ from what a
 graph bakes: `Config(optimizer_mode="eager")` from the start; in `"auto"`, before a capture when its
-step reads the host every call, its step changed Python values in warm-up or a scheduler will change
-a value it bakes, and after a capture when such a baked value changed. Graphs captured before a move are
+step reads the host every call, it updates parameters with sparse gradients, its step changed Python
+values in warm-up or a scheduler will change a value it bakes, and after a capture when such a baked
+value changed. Graphs captured before a move are
 out of date: `epoch` counts the moves, and a graph records the epoch it was captured in.
 """
 
@@ -89,8 +90,7 @@ class OptimizerModes:
             if not self.is_eager(opt):
                 self.eager.append(opt)
                 log.warning(
-                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on; no re-capture "
-                    "will be needed when its hyperparameters change again. Why: %s",
+                    "graphstep: %s: %s.step() runs eagerly between graph replays from now on. Why: %s",
                     self.step_name,
                     type(opt).__qualname__,
                     why,
@@ -107,12 +107,17 @@ class OptimizerModes:
         momentum) that changes a value it bakes. Only for backends that capture graphs: the eager
         backend runs every step eagerly already."""
         if self.mode == "graph" and self.graphs:
-            kept = [opt for opt in optimizers if self.observer.keeps_grads(opt)]
-            if kept:
-                raise UnsupportedOptimizerError(
-                    f'{type(kept[0]).__qualname__} cannot run in a graph (Config(optimizer_mode="graph")): '
-                    f'{self.observer.reason(kept[0])}. Use optimizer_mode="auto" or "eager".'
+            for opt in optimizers:
+                why = (
+                    self.observer.reason(opt)
+                    if self.observer.keeps_grads(opt)
+                    else self.adapter.sparse_grads(opt)
                 )
+                if why:
+                    raise UnsupportedOptimizerError(
+                        f'{type(opt).__qualname__} cannot run in a graph (Config(optimizer_mode="graph")): '
+                        f'{why}. Use optimizer_mode="auto" or "eager".'
+                    )
         if self.mode != "auto":
             return
         for opt in optimizers:
@@ -125,10 +130,10 @@ class OptimizerModes:
     def why_eager(self, opt: torch.optim.Optimizer, observer: StepObserver) -> str | None:
         """Why `opt`'s step must run as an eager segment from the start in "auto" mode (`observer`:
         what its step was seen to change), or None: it stays in the graph."""
-        why = self.adapter.eager_only(opt) or observer.reason(opt)
+        why = self.adapter.eager_only(opt) or self.adapter.sparse_grads(opt) or observer.reason(opt)
         for key in _scheduled_keys(opt):
             if not why and not self.adapter.can_stay_in_graph(opt, key):
-                why = f"a scheduler changes {key!r}, which it reads as a Python number"
+                why = f"a scheduler changes {key!r}, which it reads as a Python number; {_NO_RECAPTURE}"
         return why
 
     def explain(self, opt: torch.optim.Optimizer, observer: StepObserver) -> str:
@@ -155,13 +160,30 @@ class OptimizerModes:
             "the device; a hyperparameter it reads as a number moves it to an eager segment when it changes)"
         )
 
-    def movable(self, changes: Iterable[object]) -> list[torch.optim.Optimizer]:
-        """Optimizers whose baked hyperparameters are among a guard's `changes` and that may move
-        to an eager segment (`optimizer_mode="auto"`)."""
+    def move_for_changes(self, changes: Iterable[object]) -> bool:
+        """In `optimizer_mode="auto"`: each optimizer whose baked hyperparameters are among a guard's
+        `changes` moves to an eager segment, its log line naming the keys that changed and how (only
+        its own changes). True when one moved."""
         if self.mode != "auto":
-            return []
-        found = [getattr(c, "optimizer", None) for c in changes]
-        return [opt for opt in found if opt is not None]
+            return False
+        by_optimizer: dict[int, tuple[torch.optim.Optimizer, list]] = {}
+        for change in changes:
+            opt = getattr(change, "optimizer", None)
+            if opt is not None:
+                by_optimizer.setdefault(id(opt), (opt, []))[1].append(change)
+        for opt, own in by_optimizer.values():
+            keys = sorted({c.key for c in own if getattr(c, "key", None)})
+            named = ", ".join(repr(k) for k in keys) or "a param-group value"
+            listed = "\n".join(f"  - {c}" for c in own)
+            self.move_to_eager(
+                [opt],
+                f"{named} changed, which its step reads as a Python number (baked into the graph):\n"
+                f"{listed}\n({_NO_RECAPTURE})",
+            )
+        return bool(by_optimizer)
+
+
+_NO_RECAPTURE = "no re-capture will be needed when its hyperparameters change again"
 
 
 def _scheduled_keys(opt: torch.optim.Optimizer) -> list[str]:

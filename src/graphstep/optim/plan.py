@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -34,14 +34,18 @@ class GroupPlan:
     """Why lr stays a Python number (empty when it is live)."""
     eager_only: str = ""
     """Why this optimizer's step can only run eagerly (empty when it can be in a graph)."""
+    kept: str = ""
+    """Why a group graphstep would run fused keeps its user's implementation: torch's fused kernel
+    would refuse it (sparse gradients, a dtype it does not update; see `table.why_not_fused`)."""
 
     @property
     def tensor_lr(self) -> bool:
         return "lr" in self.live
 
 
-def plan(optimizer: Optimizer, device: torch.device | str) -> list[GroupPlan]:
-    """What `prepare(device)` would do to each of `optimizer`'s param groups. Changes nothing."""
+def plan(optimizer: Optimizer, device: torch.device | str, sparse: Collection[int] = ()) -> list[GroupPlan]:
+    """What `prepare(device)` would do to each of `optimizer`'s param groups. Changes nothing.
+    `sparse`: ids of the parameters known to get sparse gradients (never fused)."""
     check_supported(optimizer)
     device = torch.device(device)
     name = table.known_class(optimizer)
@@ -51,7 +55,9 @@ def plan(optimizer: Optimizer, device: torch.device | str) -> list[GroupPlan]:
     for group in optimizer.param_groups:
         differentiable = bool(group.get("differentiable"))
         capturable = "capturable" in group and on_device and not differentiable
-        fuse = name is not None and table.fused_by_choice(name, group, device)
+        chooses = name is not None and table.user_chose_neither(name, group, device)
+        kept = table.why_not_fused(list(group["params"]), device, sparse) if chooses else ""
+        fuse = chooses and not kept
         impl = "fused" if fuse else table.implementation(group)
         live: Mapping[str, Any] = {}
         # Classes with a capturable flag read tensors only on their capturable paths (and fused).
@@ -59,7 +65,7 @@ def plan(optimizer: Optimizer, device: torch.device | str) -> list[GroupPlan]:
         if name is not None and not differentiable and not eager_only and reads_tensors:
             live = table.LIVE[name].get(impl, {})
         why = "" if "lr" in live else table.why_baked(name, impl, "lr")
-        plans.append(GroupPlan(capturable, fuse, impl, dict(live), why, eager_only))
+        plans.append(GroupPlan(capturable, fuse, impl, dict(live), why, eager_only, kept))
     return plans
 
 

@@ -14,6 +14,7 @@ path read `weight_decay` live in 2.6 (its own adamw.py) and not since AdamW beca
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 import torch
@@ -182,19 +183,44 @@ anyway, in one launch per chunk of tensors: the graph costs the GPU no more than
 update takes lr as a Python number (a schedule moves it to an eager segment) and, with weight
 decay, allocates a copy of every gradient (in an eager segment, outside the graph's pool, where no
 freed activation memory is at hand); its fused kernel reads lr as a device tensor and allocates
-nothing. An explicit choice (`foreach=True`, `foreach=False`, `fused=False`) is kept; so is
-`foreach=True` where gradients are sparse (`nn.Embedding(sparse=True)`), which fused SGD refuses
-(and whose data-dependent sizes no graph can hold anyway).
+nothing. An explicit choice (`foreach=True`, `foreach=False`, `fused=False`) is kept; so is the
+user's (torch's default) wherever the fused kernel would refuse the group (`why_not_fused`): sparse
+gradients (`nn.Embedding(sparse=True)`, known from the module before the first step, or seen at a
+step), a dtype or device it does not take. Such an optimizer's step then runs as torch's default
+would, and with sparse gradients as an eager segment (`optim/modes.py`).
 """
 
 
-def fused_by_choice(name: str, group: dict, device: torch.device) -> bool:
-    """Whether graphstep sets `fused=True` on this param group (see `FUSED_BY_CHOICE`)."""
+def user_chose_neither(name: str, group: dict, device: torch.device) -> bool:
+    """A group graphstep would run fused: SGD/Adam/AdamW on CUDA, neither foreach nor fused chosen."""
     if name not in FUSED_BY_CHOICE or device.type != "cuda" or group.get("differentiable"):
         return False
-    if group.get("foreach") is not None or group.get("fused") is not None:
-        return False  # the user chose
-    return fused_kernel_takes(list(group["params"]), device)
+    return group.get("foreach") is None and group.get("fused") is None
+
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The parameter dtypes torch's fused SGD/Adam/AdamW kernels update (float8 is floating point too)."""
+
+
+def why_not_fused(params: list, device: torch.device, sparse: Collection[int] = ()) -> str:
+    """Why torch's fused kernel would refuse these parameters on `device` (empty: it takes them)."""
+    if not fused_kernel_takes(params, device):
+        return (
+            f"torch's fused kernels take only plain floating-point tensors, all on {device.type}: "
+            "its parameters are not"
+        )
+    dtypes = sorted({str(p.dtype) for p in params if p.dtype not in FUSED_DTYPES})
+    if dtypes:
+        return f"the fused kernel does not update {', '.join(dtypes)} parameters"
+    if any(id(p) in sparse or (p.grad is not None and p.grad.is_sparse) for p in params):
+        return SPARSE_NOT_FUSED
+    return ""
+
+
+SPARSE_NOT_FUSED = (
+    "its gradients are sparse (nn.Embedding or nn.EmbeddingBag with sparse=True), which torch's fused "
+    "kernel refuses"
+)
 
 
 def fused_kernel_takes(params: list, device: torch.device) -> bool:
