@@ -162,7 +162,7 @@ class CapturedStep:
         and pass them back: a call with the buffers themselves copies nothing.
         """
         signature, leaves = Signature.of(args, kwargs)
-        self._context_for(leaves)
+        signature = self._context_for(leaves).loose.rekey(signature)
         life = self._lifecycle(signature)
         if isinstance(life, Overflow):
             raise TooManyGraphsError(self._too_many_message(signature))
@@ -218,6 +218,7 @@ class CapturedStep:
             return life.call(list(args), args, kwargs)
         signature, leaves = Signature.of(args, kwargs)
         ctx = self._ctx if self._ctx is not None else self._context_for(leaves)
+        signature = ctx.loose.rekey(signature)  # arguments used only in eager segments: not keyed by shape
         ctx.optim.before_call()  # a float lr a scheduler assigned goes into the graph's tensor
         life = self._lifecycle(signature)
         if (

@@ -9,6 +9,7 @@ as an eager segment, the capture is tried again (`optim/modes.py`, `after_failed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -20,11 +21,13 @@ from . import signature as sig
 from .backends import autograd_segments, library_segments, output_ring, segments
 from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
+from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
 from .effects import host_random
 from .errors import GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
+from .guards.module_inputs import ModuleInputs
 from .guards.reads import ReadWatch
-from .guards.state_guard import StateGuard
+from .guards.state_guard import StateGuard, named_modules
 from .profiling import ranged
 from .state import Snapshot
 from .step_context import StepContext
@@ -42,6 +45,8 @@ class Variant:
     """`OptimizerAdapter.state_layout()` at capture: which parameters had which optimizer state."""
     modes_epoch: int
     last_used: int = 0
+    inputs: ModuleInputs | None = None
+    """Input-like attributes of modules (a BlockMask set per batch): loaded before every replay."""
 
 
 def capture_variant(
@@ -91,10 +96,22 @@ def capture_variant(
         captured["ring"] = output_ring.record(ring, captured["tensors"], written=backend.capture_executes)
         return outputs
 
+    inputs = None
+    if backend.static_buffers:  # a BlockMask set on a module: the graph reads a copy of it, loaded per call
+        roots = ctx.state.named_modules_roots()
+        inputs = ModuleInputs.found([nm for p, r in roots for nm in named_modules(p, r)], backend.new_buffer)
+        if inputs is not None:
+            inputs.fit()
+            inputs.load()
     recording, error, guard = None, None, None
+    loose_reads, ctx.loose.capturing = ctx.loose.reads, True
     try:
         # What the step's Python reads, its non-tensor arguments' contents included.
-        with ranged("graphstep.capture"), ReadWatch(sig.non_tensor_arguments(args, kwargs)) as watch:
+        with (
+            inputs.swapped_in() if inputs is not None else contextlib.nullcontext(),
+            ranged("graphstep.capture"),
+            ReadWatch(sig.non_tensor_arguments(args, kwargs)) as watch,
+        ):
             recording = backend.capture(
                 body,
                 args,
@@ -111,11 +128,15 @@ def capture_variant(
                 reads=watch.reads,
                 eager_optimizers=ctx.modes.eager,
                 unbaked=ctx.optim.can_stay_in_graph,
+                inputs=inputs,
             )
             # Before the ranks agree: a read strict_reads refuses fails the capture on every rank.
             guard.reads.report_unwatched(ctx.name, strict=ctx.config.strict_reads)
     except BaseException as exc:
         error = exc
+    ctx.loose.capturing = False
+    if error is None and ctx.loose.reads != loose_reads:  # the step swallowed a placeholder's error
+        error = LooseArgumentRead("the step used an argument passed to eager segments only outside them")
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
         try:
             failed = ctx.ranks.capture_failure(ctx.name, error)
@@ -171,5 +192,11 @@ def capture_variant(
     ctx.stats.captures += 1
     ctx.stats.capture_s += time.perf_counter() - start
     return Variant(
-        recording, guard, captured["spec"], captured["tensors"], ctx.optim.state_layout(), ctx.modes.epoch
+        recording,
+        guard,
+        captured["spec"],
+        captured["tensors"],
+        ctx.optim.state_layout(),
+        ctx.modes.epoch,
+        inputs=inputs,
     )

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import signature as sig
+
 log = logging.getLogger("graphstep")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -197,6 +199,26 @@ def too_many_graphs_message(step_name: str, max_graphs: int, seen: list, new: ob
         "Each distinct shape, dtype, stride or Python value needs its own graph. Pad or bucket "
         "inputs to a few fixed shapes, pass changing numbers as tensors, raise max_graphs, or set "
         'Config(on_too_many_graphs="eager") to run new signatures eagerly with a warning.'
+        + _changing_shapes_hint(seen, new)
+    )
+
+
+def _changing_shapes_hint(seen: list, new: Any) -> str:
+    """Tensors whose shapes alone set the signatures apart: if only eager code uses them, they need not."""
+    spec, metas = getattr(new, "spec", None), getattr(new, "tensors", ())
+    same = [s for s in seen if s.spec == spec and len(s.tensors) == len(metas)] if spec is not None else []
+    if not same:
+        return ""
+    paths = sig.tensor_paths(spec)
+    changing = [p for i, p in enumerate(paths) if any(s.tensors[i] != metas[i] for s in same)]
+    if not changing:
+        return ""
+    shown = ", ".join(changing[:4]) + (f" and {len(changing) - 4} more" if len(changing) > 4 else "")
+    return (
+        f"\nThe shapes of {shown} change from call to call. If only eager code uses them (a detector's "
+        "targets, which go to its loss and box matching), make the module that takes them an eager segment "
+        "(`graphstep.eager_segment(module)`): an argument used only inside eager segments is not part of the "
+        "key, and goes to the segment as it is."
     )
 
 

@@ -133,14 +133,13 @@ class Lifecycle:
         self.ctx = ctx
         self.signature = signature
         self.warmups = 0
-        self.inputs = InputBuffers(ctx.backend, signature.spec)
+        self.inputs = InputBuffers(ctx.backend, signature.spec, signature.tensors, ctx.loose)
         self.variants: list[Variant] = []
         self.current: Variant | None = None
         self.recaptures = 0
         self.replays = 0
         """This signature's replays (the churn's runs and waits end at one)."""
-        self.stale = False
-        """Past `max_recaptures` with `on_recapture_limit="eager"`: this signature runs eagerly."""
+        self.stale = False  # past max_recaptures with on_recapture_limit="eager": this signature runs eagerly
         self.trainable: list[bool] | None = None
         """`guards.trainable` after the last warm-up."""
         self.warm_outputs: list[sig.TensorMeta] | None = None
@@ -266,6 +265,7 @@ class Lifecycle:
         if probing:
             self.churn.probe = Probe.of_run(reads.reads, ctx.state, ctx.fn)
         self.segment_results = watch.seen
+        ctx.loose.after_warmup(self.signature, args, kwargs, watch.passed)  # (backends/loose.py)
         self.trainable = trainable(ctx.state)
         self.warmups += 1
         ctx.stats.warmup_calls += 1
@@ -322,7 +322,7 @@ class Lifecycle:
         variant = self.current
         variant.last_used = next(_clock)
         if ctx.backend.static_buffers:
-            self.inputs.load(leaves)
+            self.inputs.load(leaves, variant.inputs)  # and a BlockMask set on a module
         every = ctx.config.verify_every
         if verify and every and (ctx.stats.replays + 1) % every == 0:
             outputs = verified_replay(self, leaves, args, kwargs)

@@ -15,6 +15,7 @@ from . import signature as sig
 from .backends import Backend, CudaGraphBackend
 from .backends.choice import choose_backend
 from .backends.graph_breaks import GraphBreaks
+from .backends.loose import LooseArguments
 from .config import Config
 from .diagnostics import StepStats
 from .distributed import Ranks
@@ -45,6 +46,8 @@ class StepContext:
     """The pieces of the step that run eagerly, forward and backward, between graphs."""
     warmups_needed: int
     graphs_alive: Callable[[], int]
+    loose: LooseArguments = dataclasses.field(default_factory=LooseArguments)
+    """Arguments used only in eager segments: not part of the key (`backends/loose.py`)."""
 
     @classmethod
     def open(

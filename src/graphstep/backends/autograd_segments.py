@@ -45,7 +45,7 @@ from .. import signature as sig
 from ..errors import CaptureError, GraphStepError
 from ..guards.state_guard import SEGMENT_MARK
 from ..profiling import ranged
-from . import grad_order, segments
+from . import grad_order, loose, segments
 
 
 @torch.compiler.disable  # a compiled model around a segment: dynamo breaks its graph here, never traces it
@@ -82,9 +82,13 @@ def _warm_up(
     session: segments.Warmup, fn: Callable, args: tuple, kwargs: dict, name: str, module: Any
 ) -> Any:
     inputs, _ = sig.flatten((args, kwargs))
+    session.passed.update(map(id, inputs))
     first = _next_sequence_number()
     results = segments.plainly(fn, args, kwargs)
     tensors, spec = sig.flatten(results)
+    move_out = getattr(module.__dict__.get("forward"), "_graphstep_move_out", None) if module else None
+    if move_out is not None and move_out(module, spec):  # results no graph can take: moved to its parent
+        return results
     segments.check_results(name, spec)
     metas = [sig.TensorMeta.of(t) for t in tensors]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
@@ -125,12 +129,16 @@ class ForwardSegment:
     """The leaves and results of the last forward, with history, until its backward."""
     host_s: float = 0.0
     """Host time of its last run."""
+    loose: list = dataclasses.field(default_factory=list)
+    """Arguments used only in segments (`loose.py`): (position, placeholder), the call's own each time."""
 
     def run(self) -> None:
         start = time.perf_counter()
         differentiable = self.differentiable
         with ranged("graphstep.eager_segment"), _autocast(self.amp), torch.set_grad_enabled(differentiable):
             leaves = self.arguments.leaves(self.inputs, self.requires, differentiable)
+            for i, placeholder in self.loose:  # the call's own tensor
+                leaves[i] = placeholder.gs_now
             args, kwargs = sig.unflatten(self.input_spec, leaves)
             results = segments.plainly(self.fn, args, kwargs)
         tensors, spec = sig.flatten(results)
@@ -245,6 +253,7 @@ class _Plan:
     seen: segments.Seen
     tensors: list[torch.Tensor]
     """What the boundary node takes: the tensor arguments, then the parameters the segment uses."""
+    loose: list
     forward: ForwardSegment | None = None
     order: grad_order.Order | None = None
     """Its targets' users made after it (`grad_order`), once the boundary node exists."""
@@ -268,6 +277,7 @@ class _Plan:
             reach.outputs,
             _amp_state(),
             arguments,
+            loose=self.loose,
         )
         self.session.segments.append(fwd)
         if splitter.executes:  # the recording backend runs the step while it captures: the segment too
@@ -336,6 +346,9 @@ def _split(
         segments.split(session, fn, args, kwargs, name, seen)  # raises: another segment was expected
     segments.check_devices(name, seen, session.splitter)
     inputs, input_spec = sig.flatten((args, kwargs))
+    held = loose.placeholders((args, kwargs))
+    for i, placeholder in held:  # the boundary takes the call's tensor; each replay, that call's
+        inputs[i] = placeholder.gs_now
     reach = seen.reach
     if len(inputs) != len(reach.inputs):
         raise CaptureError(
@@ -344,7 +357,7 @@ def _split(
         )
     known = {id(t) for t in inputs}
     params = [p for p in reach.params + reach.idle if id(p) not in known]
-    plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params)
+    plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params, held)
     outputs = _Boundary.apply(plan, *inputs, *params)
     if plan.forward is not None:
         plan.watch(outputs)
@@ -384,8 +397,9 @@ def eager_segment(fn: Callable | torch.nn.Module, *, name: str | None = None) ->
     return segment
 
 
-def mark(module: torch.nn.Module, name: str) -> None:
-    """Make `module`'s forward an eager segment (its instance `forward` is wrapped)."""
+def mark(module: torch.nn.Module, name: str, move_out: Callable | None = None) -> None:
+    """Make `module`'s forward an eager segment (its instance `forward` is wrapped). `move_out(module,
+    spec)`, given its results' spec in a warm-up: True when it moved the segment out (`graph_breaks.py`)."""
     if is_marked(module):
         return
     forward = module.forward
@@ -395,6 +409,7 @@ def mark(module: torch.nn.Module, name: str) -> None:
         return run(forward, args, kwargs, name, module)
 
     setattr(segment, SEGMENT_MARK, forward)
+    segment._graphstep_move_out = move_out
     module.forward = segment
 
 

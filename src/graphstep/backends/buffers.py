@@ -15,15 +15,22 @@ import torch
 from .. import signature as sig
 from ..errors import UnsupportedInputError
 from .base import Backend
+from .loose import LooseArguments, LooseMeta, Placeholder
 
 
 class InputBuffers:
     """One buffer per tensor leaf of a signature, made on first use."""
 
-    def __init__(self, backend: Backend, spec: Any = None):
+    def __init__(
+        self, backend: Backend, spec: Any = None, metas: tuple = (), loose: LooseArguments | None = None
+    ):
         self.backend = backend
         self.spec = spec
         """The signature's spec, to name an argument that cannot be loaded."""
+        self.loose_at = [i for i, m in enumerate(metas) if isinstance(m, LooseMeta)]
+        """Leaves used only in eager segments (see `loose.py`): a placeholder each, no buffer."""
+        self.owner = loose
+        self._copied: list[torch.Tensor] = []
         self.tensors: list[torch.Tensor] | None = None
         self.host_staged = False
         """Some buffers are pinned host memory (CPU inputs of a CUDA step): loading them must wait."""
@@ -33,25 +40,39 @@ class InputBuffers:
     def like(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The buffers for tensors like `leaves`, made the first time."""
         if self.tensors is None:
+            loose = set(self.loose_at)
             for i, t in enumerate(leaves):
-                why = unloadable(t, getattr(self.backend, "index", None))
+                why = "" if i in loose else unloadable(t, getattr(self.backend, "index", None))
                 if why:
                     raise UnsupportedInputError(f"argument {self._name(i)} {why}")
             # One buffer per tensor object: leaves that are the same tensor (the signature keeps
             # such calls apart) share one, as they share memory in eager.
             made: dict[int, torch.Tensor] = {}
-            for t in leaves:
-                if id(t) not in made:
+            for i, t in enumerate(leaves):
+                if i in loose:
+                    made[-1 - i] = Placeholder(t, i, self._name(i), self.owner, self.spec)
+                elif id(t) not in made:
                     made[id(t)] = self.backend.new_buffer(t)
-            self.tensors = [made[id(t)] for t in leaves]
+            self.tensors = [made[-1 - i if i in loose else id(t)] for i, t in enumerate(leaves)]
+            self._copied = [b for i, b in enumerate(self.tensors) if i not in loose]
             for buffer, t in zip(self.tensors, leaves):
-                buffer.requires_grad_(t.requires_grad and t.is_leaf)
-            self.host_staged = any(b.is_pinned() for b in self.tensors)
-            self.need_grad = any(b.requires_grad for b in self.tensors)
+                if type(buffer) is not Placeholder:
+                    buffer.requires_grad_(t.requires_grad and t.is_leaf)
+            self.host_staged = any(b.is_pinned() for b in self._copied)
+            self.need_grad = any(b.requires_grad for b in self._copied)
         return self.tensors
 
-    def load(self, leaves: list[torch.Tensor]) -> None:
-        """Copy the call's tensors into the buffers (none when they are the buffers)."""
+    def load(self, leaves: list[torch.Tensor], held: Any = None) -> None:
+        """Copy the call's tensors into the buffers (none when they are the buffers). `held`: the
+        graph's inputs kept on modules (`guards/module_inputs.py`), loaded too."""
+        if held is not None:
+            held.load()
+        if self.loose_at:  # handed to the segments as they are
+            for i in self.loose_at:
+                if leaves[i] is not self.tensors[i]:  # (the placeholder itself, from `input_buffers`)
+                    self.tensors[i].gs_now = leaves[i]
+            loose = set(self.loose_at)
+            leaves = [t for i, t in enumerate(leaves) if i not in loose]
         if self.host_staged:  # the previous replay may still be reading a host buffer
             torch.cuda.current_stream(self.backend.index).synchronize()
         if self.need_grad:
@@ -62,7 +83,7 @@ class InputBuffers:
 
     def _copy(self, leaves: list[torch.Tensor]) -> None:
         targets, sources = [], []
-        for buffer, t in zip(self.tensors, leaves):
+        for buffer, t in zip(self._copied, leaves):
             if t is not buffer:
                 targets.append(buffer)
                 sources.append(t)
@@ -73,7 +94,7 @@ class InputBuffers:
                 return
             except RuntimeError:
                 pass  # copied one by one below, where a failure names its argument
-        for i, (buffer, t) in enumerate(zip(self.tensors, leaves)):
+        for i, (buffer, t) in enumerate(zip(self._copied, leaves)):
             if t is not buffer:
                 try:
                     buffer.copy_(t)

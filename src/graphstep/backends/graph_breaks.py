@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import signature as sig
 from ..diagnostics import is_host_sync, where
 from ..errors import WarmUpAgain
 from . import autograd_segments, segments
@@ -64,11 +65,17 @@ class GraphBreaks:
         self.step_code = step_code
         self.made: list[Break] = []
         self.unlogged: list[Break] = []
+        self.moved = False
+        """A break moved out to its enclosing module since the last capture (`move_out`)."""
 
     def after_failed_capture(self, error: BaseException) -> bool:
         """The capture failed with `error`: make a break around its failing line and say so (True),
         or leave the error as it is (False: breaks off, not an operation a graph cannot record, or
         no module or known function around the line)."""
+        if (
+            isinstance(error, WarmUpAgain) and self.moved
+        ):  # the capture after a break moved out: as after a break
+            error.after_break, self.moved = True, False
         if self.mode != "auto" or isinstance(error, WarmUpAgain):  # (a compile at capture, say)
             return False
         written = [m for m in getattr(error, "modules", ()) if not autograd_segments.is_marked(m)]
@@ -87,7 +94,7 @@ class GraphBreaks:
             modules = [obj] + [m for _, m in self.modules() if type(m) is type(obj) and m is not obj]
             for module in modules:
                 if not autograd_segments.is_marked(module):
-                    autograd_segments.mark(module, self.path_of(module))
+                    autograd_segments.mark(module, self.path_of(module), self.move_out)
             names = [self.path_of(m) for m in modules]
             if len(modules) > 1:
                 name += f" (and the {len(modules) - 1} other {type(obj).__qualname__} modules of the step)"
@@ -106,6 +113,39 @@ class GraphBreaks:
             name,
             made.line,
             first_line,
+        )
+        return True
+
+    def move_out(self, module: torch.nn.Module, spec: Any) -> bool:
+        """A break's module returned (`spec`: its results in a warm-up) what no graph can take from a
+        segment (a torchvision `ImageList`): the break moves out to the module that encloses it, which
+        returns what its caller gets. False when the results are tensors, or for a module at the top
+        of the step (nothing encloses it: the refusal stands)."""
+        values = [sig.value_of(leaf) for _, leaf in sig.paths(spec, "result") if not sig.is_tensor_leaf(leaf)]
+        returned = next((type(v).__qualname__ for v in values if v is not None), None)
+        made = next((b for b in self.made if self.path_of(module) in b.segments), None)
+        if returned is None:
+            return False
+        path = self.path_of(module)
+        parent = dict(self.modules()).get(path.rpartition(".")[0]) if "." in path else None
+        if made is None or parent is None:
+            return False
+        made.undo()
+        modules = [parent] + [m for _, m in self.modules() if type(m) is type(parent) and m is not parent]
+        for m in modules:
+            if not autograd_segments.is_marked(m):
+                autograd_segments.mark(m, self.path_of(m), self.move_out)
+        before, made.name, self.moved = made.name, self.path_of(parent), True
+        made.segments = [self.path_of(m) for m in modules]
+        made.undo = lambda marked=modules: [autograd_segments.unmark(m) for m in marked]
+        log.warning(
+            "graphstep: %s: graph break moved out: %s returns a %s, which no graph can take from an eager "
+            "segment (only tensors); the module around it, %s, runs eagerly (forward and backward) from the "
+            "next call on.",
+            self.step_name,
+            before,
+            returned,
+            made.name,
         )
         return True
 

@@ -42,7 +42,7 @@ import torch
 from .. import signature as sig
 from ..errors import CaptureError, GraphStepError, WarmUpAgain
 from ..profiling import ranged
-from . import grad_order
+from . import grad_order, loose
 
 _local = threading.local()
 _NONE_SPEC = sig.flatten(None)[1]
@@ -73,13 +73,18 @@ class Segment:
     name: str
     host_s: float = 0.0
     """Host time of its last run."""
+    loose: list = dataclasses.field(default_factory=list)
+    """Arguments used only in segments (`loose.py`): (position, placeholder) pairs, the call's own each time."""
 
     def run(self) -> None:
         start = time.perf_counter()
         for p, g in self.grads:
             p.grad = g
+        args, kwargs = (
+            loose.resolve((self.args, self.kwargs), self.loose) if self.loose else (self.args, self.kwargs)
+        )
         with torch.no_grad(), ranged("graphstep.eager_segment"):
-            results = self.fn(*self.args, **self.kwargs)
+            results = self.fn(*args, **kwargs)
             tensors, spec = sig.flatten(results)
             if spec != self.output_spec or any(
                 t.shape != b.shape or t.dtype != b.dtype for t, b in zip(tensors, self.outputs)
@@ -122,10 +127,12 @@ def check_devices(name: str, seen: Seen, splitter: Splitter) -> None:
 
 
 class Warmup:
-    """Notes each segment's results during a warm-up, in call order."""
+    """Notes each segment's results during a warm-up, in call order, and the tensors handed to them."""
 
     def __init__(self) -> None:
         self.seen: list[Seen] = []
+        self.passed: set[int] = set()
+        """The ids of the tensors handed to segments (an argument used only there: `loose.py`)."""
 
 
 class Capture:
@@ -197,6 +204,8 @@ def run(fn: Callable, args: tuple, kwargs: dict, name: str, *, returns_none: boo
     session = active()
     if session is None:
         return fn(*args, **kwargs)
+    if isinstance(session, Warmup):
+        session.passed.update(map(id, sig.flatten((args, kwargs))[0]))
     if returns_none:
         if isinstance(session, Warmup):
             plainly(fn, args, kwargs)
@@ -224,15 +233,16 @@ def split(session: Capture, fn: Callable, args: tuple, kwargs: dict, name: str, 
     check_devices(name, seen, splitter)
     splitter.end_part()
     grads = [(p, p.grad) for p in session.params]
+    held = loose.placeholders((args, kwargs))
     if splitter.executes:  # the step really runs while capturing: so does the segment
         with torch.no_grad():
-            results = plainly(fn, args, kwargs)
+            results = plainly(fn, *(loose.resolve((args, kwargs), held) if held else (args, kwargs)))
         tensors, spec = sig.flatten(results)
         outputs = [t.detach() for t in tensors]
     else:
         spec = seen.spec
         outputs = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in seen.metas]
-    session.segments.append(Segment(fn, args, kwargs, grads, spec, outputs, name))
+    session.segments.append(Segment(fn, args, kwargs, grads, spec, outputs, name, loose=held))
     splitter.begin_part()
     return sig.unflatten(spec, outputs)
 

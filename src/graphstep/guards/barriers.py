@@ -158,6 +158,13 @@ def is_simple(value: Any) -> bool:
     return type(value) in (tuple, frozenset) and all(map(is_simple, value))
 
 
+def is_input_value(value: Any) -> bool:
+    """An attribute value that is an input of the step, copied in per call rather than guarded: a
+    FlexAttention `BlockMask` built per batch (see `module_inputs.py`)."""
+    kind = type(value)
+    return kind.__name__ == "BlockMask" and kind.__module__ == "torch.nn.attention.flex_attention"
+
+
 def same(now: Any, was: Any, by_value: bool) -> bool:
     """`now` is what the graph saw: the same object, or an equal simple value of the same type."""
     return now is was or (by_value and type(now) is type(was) and bool(now == was))
@@ -191,7 +198,8 @@ class ModuleWatch:
 
     Simple values (see `is_simple`) are compared by value, other attributes by identity.
     `skip`: (id(module), name) pairs not guarded (written by the step itself: a replay does not
-    write them, and two graphs would undo each other's writes).
+    write them, and two graphs would undo each other's writes). Attributes that hold an input
+    (`is_input_value`) are not guarded either: `module_inputs.py` loads and checks them.
     """
 
     def __init__(
@@ -208,7 +216,8 @@ class ModuleWatch:
         self.modules = [m for _, m in unique]
         self.index = {id(m): i for i, m in enumerate(self.modules)}
         self.training = [m.training for m in self.modules]
-        self.skip = skip
+        inputs = {(id(m), k) for m in self.modules for k, v in attribute_items(m) if is_input_value(v)}
+        self.skip = skip | inputs if inputs else skip
         self.attrs = [self._attrs_of(m) for m in self.modules]
         self.sizes = [len(m.__dict__) for m in self.modules]
         self.scan = scan

@@ -44,6 +44,7 @@ from torch import nn
 from ..state import TrainingState, follow, storage_paths
 from . import barriers, fastcheck
 from .change import Change
+from .module_inputs import ModuleInputs
 from .optimizer import OptimizerWatch
 from .read_guard import ReadGuard
 from .reads import Reads
@@ -167,8 +168,11 @@ class StateGuard:
         reads: Reads | None = None,
         eager_optimizers: Collection[torch.optim.Optimizer] = (),
         unbaked: Callable[[torch.optim.Optimizer, str], bool] = lambda opt, key: False,
+        inputs: ModuleInputs | None = None,
     ):
         barriers.install()
+        self.inputs = inputs
+        """Input-like attributes of modules (a BlockMask): they fit the graph, or it does not hold."""
         self.epoch = barriers.structure_epoch
         self.strict = strict
         if reads is None or not reads.complete:
@@ -260,6 +264,8 @@ class StateGuard:
         pass (`identity_check`); anything else takes the Python path, which adopts equal values.
         After it held, the pass is made again over the objects now seen, unless that happened
         `_MAX_IDENTITY_BUILDS` times in a row (a loop that rebinds an equal value every call)."""
+        if self.inputs is not None and not self.inputs.fit():
+            return False
         identity = self._identity
         if identity is not None and identity.holds():
             self._identity_builds = 0
@@ -328,6 +334,7 @@ class StateGuard:
                 text = f"{name}: requires_grad {was} -> {p.requires_grad}"
                 found.append(Change(text, variant=True, warm_up=self.optimizers.without_state(p)))
         found += [Change(text, variant) for text, variant in self.modules.changes()]
+        found += self.inputs.changes() if self.inputs is not None else []
         found += self.optimizers.changes()
         found += [Change(text, variant) for text, variant in self.reads.changes()]
         if self.epoch != barriers.structure_epoch:
