@@ -314,6 +314,11 @@ class Arguments:
     keep: list[bool]
     """Per argument: a leaf that requires grad (a parameter passed in), given as it is: its uses
     through the argument and through the module it also reads it from sum together."""
+    history: list[bool] = dataclasses.field(default_factory=list)
+    """Per argument: it had autograd history eagerly (not a leaf). The segment gets a view of its
+    leaf, not the leaf: autocast caches its cast of a leaf that requires grad (one `_to_copy` for all
+    uses, their gradients summed in the low precision) but casts an activation anew at every use (one
+    gradient per use, each cast back and summed in the argument's own precision), as eagerly."""
 
     @classmethod
     def of(cls, given: list[torch.Tensor], reached: list[bool]) -> tuple[Arguments, list, list[bool]]:
@@ -321,12 +326,13 @@ class Arguments:
         tensor passed twice: its first place)."""
         same = [next(j for j in range(i + 1) if given[j] is t) for i, t in enumerate(given)]
         keep = [t.is_leaf and t.requires_grad and not t._backward_hooks for t in given]
+        history = [not t.is_leaf for t in given]
         requires = [t.requires_grad and r for t, r in zip(given, reached)]
         for i, j in enumerate(same):
             if j != i:
                 requires[j], requires[i] = requires[j] or requires[i], False
         buffers = [t if k else t.detach() for t, k in zip(given, keep)]
-        return cls(same, keep), buffers, requires
+        return cls(same, keep, history), buffers, requires
 
     def leaves(self, buffers: list, requires: list[bool], differentiable: bool) -> list[torch.Tensor]:
         leaves: list[torch.Tensor] = []
@@ -334,7 +340,8 @@ class Arguments:
             if self.same[i] != i:
                 leaves.append(leaves[self.same[i]])
             elif r and differentiable and not self.keep[i]:
-                leaves.append(b.detach().requires_grad_(True))
+                leaf = b.detach().requires_grad_(True)
+                leaves.append(leaf.view_as(leaf) if self.history[i] else leaf)
             else:
                 leaves.append(b)
         return leaves
