@@ -26,7 +26,9 @@ segment and outside it (eagerly one shared low-precision cast, which no split ca
 
 Also here, for the same sums: what a segment's autograd graph reached in a warm-up (`reach`), and how
 its arguments become its leaves at replay (`Arguments`): one tensor passed twice is one leaf, a
-parameter passed in is the parameter itself, so that all its uses inside sum in one buffer.
+parameter passed in is the parameter itself, so that all its uses inside sum in one buffer, and an
+argument with history is a view of its leaf, so that autocast casts it at each use (it caches the cast
+of a leaf that requires grad, never an activation's: one shared cast would sum the uses in bf16).
 """
 
 from __future__ import annotations
