@@ -201,6 +201,14 @@ class Scaled(torch.nn.Module):
         return h * scale + torch.tanh(h * self.scale)
 
 
+class FloatNorm(torch.nn.LayerNorm):
+    """LayerNorm in float32 under autocast on any device, as CUDA's autocast runs it (CPU's runs it in
+    bfloat16): under autocast its result is a float32 activation that each Linear after it casts anew."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps)
+
+
 class SharedNet(torch.nn.Module):
     """A break whose input the step uses outside it as well, in every arrangement the tests need:
 
@@ -212,21 +220,32 @@ class SharedNet(torch.nn.Module):
     reuse     `h = h + mix[0](h)` twice: one module's weights used by two calls of the break;
     passed    `h = norm(scaled(h, scaled.scale)) * scaled.scale`: a parameter the break reads itself
               and is passed too, and the step uses after it.
-    Inputs are (tokens, dim): the linear layers take `h` itself, not a view of it."""
+    Inputs are (tokens, dim): the linear layers take `h` itself, not a view of it. `stream32`: the
+    residual stream is float32 under autocast too, so that the break's input is an activation that
+    autocast casts to the low precision at each of its uses inside (postnorm's is, from its norm)."""
 
-    def __init__(self, kind: str = "residual", dim: int = 12, layers: int = 2, sync: bool = True):
+    def __init__(
+        self,
+        kind: str = "residual",
+        dim: int = 12,
+        layers: int = 2,
+        sync: bool = True,
+        stream32: bool = False,
+    ):
         super().__init__()
         self.kind = kind
+        self.stream32 = stream32
         self.inp = torch.nn.Linear(dim, dim)
         self.mix = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers))
         self.mix2 = torch.nn.ModuleList(Mixer(dim, sync) for _ in range(layers if kind == "chain" else 0))
-        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.norms = torch.nn.ModuleList(FloatNorm(dim) for _ in range(layers))
         self.scale = torch.nn.Parameter(torch.logspace(-1, 1, dim))
         self.scaled = Scaled(dim, sync)
         self.out = torch.nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
+        h = h.float() if self.stream32 else h  # (no-op without autocast)
         for i, (mix, norm) in enumerate(zip(self.mix, self.norms)):
             if self.kind == "residual":
                 h = h + mix(h)

@@ -80,12 +80,34 @@ def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks):
 
 
 @pytest.mark.parametrize("breaks", ["auto", "marked"])
-def test_tied_weights_used_inside_a_break_and_by_the_head_train_bitwise(breaks):
+@pytest.mark.parametrize("kind", ["residual", "postnorm", "chain", "param"])
+def test_under_autocast_a_break_whose_float32_input_is_used_outside_it_trains_bitwise(kind, breaks):
+    """bf16 autocast on the CPU, the break's input a float32 activation (a float32 residual stream, a
+    norm's result, as CUDA's autocast makes it): eagerly each Linear inside casts it anew, and each
+    cast's gradient comes back in float32 and is added on its own. Autocast caches its cast of a leaf
+    that requires grad, so a segment that got its input as such a leaf shared one cast among the uses
+    and summed their gradients in bf16 first."""
+    make = lambda: SharedNet(kind, sync=breaks == "auto", stream32=True)  # noqa: E731
+    marked = [] if breaks == "auto" else [f"mix.{i}" for i in range(2)]
+    if kind == "chain" and breaks == "marked":
+        marked += [f"mix2.{i}" for i in range(2)]
+    # four calls: an automatic break captures at the fourth (the capture gives the sums that differ)
+    step = train(make, token_batches(4), torch.nn.functional.mse_loss, marked=marked, amp="cache")
+    assert step.stats.graph_breaks == (1 if breaks == "auto" else 0), step.stats
+
+
+@pytest.mark.parametrize("amp", [None, "cache"])
+@pytest.mark.parametrize("breaks", ["auto", "marked"])
+def test_tied_weights_used_inside_a_break_and_by_the_head_train_bitwise(breaks, amp):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 24, (16,), generator=g), torch.randint(0, 24, (16,), generator=g))]
-    batches = batches * STEPS  # the same tokens: a token's row gets many contributions every step
+    batches = batches * (STEPS if amp is None else 4)  # the same tokens: many contributions per row
     step = train(
-        TiedLM, batches, torch.nn.functional.cross_entropy, marked=[] if breaks == "auto" else ["embed"]
+        TiedLM,
+        batches,
+        torch.nn.functional.cross_entropy,
+        marked=[] if breaks == "auto" else ["embed"],
+        amp=amp,
     )
     assert step.stats.graph_breaks == (1 if breaks == "auto" else 0), step.stats
 

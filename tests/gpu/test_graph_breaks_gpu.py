@@ -284,12 +284,16 @@ def token_data(n, seed=0):
     ]
 
 
+@pytest.mark.parametrize("stream", ["bf16", "fp32"])
 @pytest.mark.parametrize("breaks", ["auto", "marked"])
 @pytest.mark.parametrize("kind", ["residual", "postnorm", "chain"])
-def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks):
+def test_a_break_whose_input_is_used_outside_it_trains_bitwise(kind, breaks, stream):
     """`h + mix(h)` (the residual reads the break's own input), BERT's `norm(h + mix(h))`, two breaks
-    in a row reading `h`: each use's gradient is added in eager's order."""
-    (m_e, o_e), (m_g, o_g) = twins(lambda: SharedNet(kind, sync=breaks == "auto"))
+    in a row reading `h`: each use's gradient is added in eager's order. Where the break's input is a
+    float32 activation (a norm's result, a float32 residual stream: `stream`), autocast casts it anew
+    at each Linear inside, and each cast's gradient is added in float32 on its own."""
+    make = lambda: SharedNet(kind, sync=breaks == "auto", stream32=stream == "fp32")  # noqa: E731
+    (m_e, o_e), (m_g, o_g) = twins(make)
     if breaks == "marked":
         for mix in [*m_g.mix, *m_g.mix2]:
             graphstep.eager_segment(mix)

@@ -11,7 +11,8 @@ the next and whose backward does the same inside the captured backward:
              down to the segment) | segment backward (eager) | graph C (rest of backward, optimizer)
 
 Tensors cross the boundary through fixed buffers: the segment's inputs are graph A's results, read at
-replay as leaves that require grad; its results are copied into buffers graph B reads; graph B's
+replay as leaves that require grad (the segment gets a view of each, so that autocast casts it anew
+at each use as it does an activation eagerly, where it would cache a leaf's cast); its results are copied into buffers graph B reads; graph B's
 gradients for them are what the eager backward starts from; the gradients it gives its inputs and its
 parameters are copied into buffers graph C reads. The parameters' gradients reach `.grad` through the
 boundary node, in graph C, exactly where eager's autograd would accumulate them (so DDP's gradient

@@ -26,7 +26,9 @@ segment and outside it (eagerly one shared low-precision cast, which no split ca
 
 Also here, for the same sums: what a segment's autograd graph reached in a warm-up (`reach`), and how
 its arguments become its leaves at replay (`Arguments`): one tensor passed twice is one leaf, a
-parameter passed in is the parameter itself, so that all its uses inside sum in one buffer.
+parameter passed in is the parameter itself, so that all its uses inside sum in one buffer, and an
+argument with history is a view of its leaf, so that autocast casts it at each use (it caches the cast
+of a leaf that requires grad, never an activation's: one shared cast would sum the uses in bf16).
 """
 
 from __future__ import annotations
@@ -314,6 +316,11 @@ class Arguments:
     keep: list[bool]
     """Per argument: a leaf that requires grad (a parameter passed in), given as it is: its uses
     through the argument and through the module it also reads it from sum together."""
+    history: list[bool] = dataclasses.field(default_factory=list)
+    """Per argument: it had autograd history eagerly (not a leaf). The segment gets a view of its
+    leaf, not the leaf: autocast caches its cast of a leaf that requires grad (one `_to_copy` for all
+    uses, their gradients summed in the low precision) but casts an activation anew at every use (one
+    gradient per use, each cast back and summed in the argument's own precision), as eagerly."""
 
     @classmethod
     def of(cls, given: list[torch.Tensor], reached: list[bool]) -> tuple[Arguments, list, list[bool]]:
@@ -321,12 +328,13 @@ class Arguments:
         tensor passed twice: its first place)."""
         same = [next(j for j in range(i + 1) if given[j] is t) for i, t in enumerate(given)]
         keep = [t.is_leaf and t.requires_grad and not t._backward_hooks for t in given]
+        history = [not t.is_leaf for t in given]
         requires = [t.requires_grad and r for t, r in zip(given, reached)]
         for i, j in enumerate(same):
             if j != i:
                 requires[j], requires[i] = requires[j] or requires[i], False
         buffers = [t if k else t.detach() for t, k in zip(given, keep)]
-        return cls(same, keep), buffers, requires
+        return cls(same, keep, history), buffers, requires
 
     def leaves(self, buffers: list, requires: list[bool], differentiable: bool) -> list[torch.Tensor]:
         leaves: list[torch.Tensor] = []
@@ -334,7 +342,8 @@ class Arguments:
             if self.same[i] != i:
                 leaves.append(leaves[self.same[i]])
             elif r and differentiable and not self.keep[i]:
-                leaves.append(b.detach().requires_grad_(True))
+                leaf = b.detach().requires_grad_(True)
+                leaves.append(leaf.view_as(leaf) if self.history[i] else leaf)
             else:
                 leaves.append(b)
         return leaves
