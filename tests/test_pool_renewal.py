@@ -72,7 +72,7 @@ def backend(monkeypatch):
     noop = lambda *a: None  # noqa: E731
     monkeypatch.setattr(cuda, "_allocator_calls", lambda: (noop, noop, noop))
     b = CudaGraphBackend.__new__(CudaGraphBackend)
-    b.index, b.graphs, b.users, b._in_pool = 0, 0, 0, {}
+    b.index, b.graphs, b.users, b._graphs_in_pool = 0, 0, 0, {}
     b.pool = b._new_pool()
     b._on_capture_stream = contextlib.nullcontext
     b._make_room = lambda: None

@@ -58,7 +58,7 @@ class CudaGraphBackend:
         self.pool = self._new_pool()
         self.graphs = 0
         """Graphs alive, of every step that shares this backend (in this pool or earlier ones)."""
-        self._in_pool: dict[tuple[int, int], int] = {}
+        self._graphs_in_pool: dict[tuple[int, int], int] = {}
         """Graphs alive in each pool that still has some: a pool leaves when its last graph goes."""
         self.users = 0
         """Captured steps using this backend (`capture(share_pool_with=...)`); close() at the last."""
@@ -192,15 +192,15 @@ class CudaGraphBackend:
                 gc.enable()
         pool = self.pool
         self.graphs += 1
-        self._in_pool[pool] = self._in_pool.get(pool, 0) + 1
+        self._graphs_in_pool[pool] = self._graphs_in_pool.get(pool, 0) + 1
 
         def release() -> None:
             for graph in graphs:
                 graph.reset()
             self.graphs -= 1
-            self._in_pool[pool] -= 1
-            if not self._in_pool[pool]:
-                del self._in_pool[pool]
+            self._graphs_in_pool[pool] -= 1
+            if not self._graphs_in_pool[pool]:
+                del self._graphs_in_pool[pool]
                 if pool == self.pool:
                     # Its last graph gone, torch's pinned-memory allocator has counted the pool out
                     # and asserts if it is captured into again: whoever released it (a re-capture, a
