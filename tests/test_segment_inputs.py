@@ -192,3 +192,65 @@ def test_a_break_whose_module_returns_an_image_list_moves_out_to_the_enclosing_m
     assert step.stats.replays == 9, step.stats
     step.close()
     assert "forward" not in m_g.detector.__dict__ and "forward" not in m_g.detector.transform.__dict__
+
+
+class _Anchors(torch.nn.Module):
+    """torchvision's AnchorGenerator does this on every forward: a new list in an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = [torch.ones(4)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cell = [c.to(x.dtype) for c in self.cell]
+        return x * self.cell[0]
+
+
+class _Detector(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.anchors = _Anchors()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.anchors(self.lin(x))
+
+
+def test_a_model_marked_whole_as_a_segment_may_rewrite_its_submodules_attributes_every_call():
+    """The model itself is the segment: its submodules' attributes are its own business (it runs
+    eagerly on every call), not state the graph of the rest of the step depends on."""
+    torch.manual_seed(0)
+    model = _Detector()
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    graphstep.eager_segment(model)
+
+    def make(m, opt):
+        def step(x):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    eager = make(twin, opts[1])
+    step = graphstep.capture(make(model, opts[0]), model=model, optimizer=opts[0], config=RECORDING)
+    for x in torch.randn(8, 2, 4):
+        assert torch.equal(eager(x), step(x))
+    assert step.stats.captures == 1 and step.stats.replays == 5, step.stats
+
+
+def test_the_guards_watch_no_module_inside_a_model_marked_whole_as_a_segment():
+    from graphstep.backends.autograd_segments import unmark
+    from graphstep.guards.state_guard import named_modules
+
+    model = _Detector()
+    every = ["model", "model.lin", "model.anchors"]
+    assert [n for n, _ in named_modules("model", model, graphed_only=True)] == every
+    graphstep.eager_segment(model)
+    assert list(named_modules("model", model, graphed_only=True)) == []
+    unmark(model)
+    graphstep.eager_segment(model.anchors)  # a segment below the root: the rest is watched
+    assert [n for n, _ in named_modules("model", model, graphed_only=True)] == every[:2]

@@ -443,7 +443,7 @@ def named_modules(
     breaks): their forward runs eagerly on every replay and reads its attributes and mode itself."""
     segments: list[str] = []
     for name, m in root.named_modules():
-        if graphed_only and any(name == s or name.startswith(s + ".") for s in segments):
+        if graphed_only and any(not s or name == s or name.startswith(s + ".") for s in segments):
             continue
         if graphed_only and hasattr(m.__dict__.get("forward"), SEGMENT_MARK):
             segments.append(name)
