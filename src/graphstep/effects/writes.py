@@ -389,9 +389,15 @@ def refusal(step_name: str, writes: list[Write]) -> str:
         line = f"  - {w.where}: {w.what}"
         if line not in listed:
             listed.append(line)
+    hints = [
+        hint
+        for (path, function), hint in _HINTS.items()
+        if any(path in w.where and function in w.where for w in writes)
+    ]
     return (
         f"capturing {step_name} refused: its code writes Python state that outlives the call:\n"
         + "\n".join(listed)
+        + "".join(f"\n{hint}" for hint in hints)
         + "\nA replay runs the captured GPU work only, no Python: eagerly these writes happen on every "
         "call, with graphstep only in warm-up and at capture, then never again, and the results would "
         "differ from eager without a word.\n"
@@ -403,6 +409,17 @@ def refusal(step_name: str, writes: list[Write]) -> str:
         "Nothing was lost: the model, optimizer, inputs and the Python state written are as they were "
         "before this call."
     )
+
+
+_HINTS = {
+    (os.path.join("accelerate", "accelerator.py"), " in _do_sync: "): (
+        "This is accelerate's gradient-accumulation counter, advanced by `accelerator.accumulate(model)`: "
+        "capture the step with graphstep.integrations.huggingface.capture_accelerated(accelerator, step, "
+        "model=..., optimizer=...), which makes accelerate's decision before every call and keeps one "
+        "graph per phase (accumulate only, or sync and step)."
+    ),
+}
+"""(file path part, function part) of a library write's site -> what to do instead."""
 
 
 def _asynchronous(frame: types.FrameType | None) -> bool:
