@@ -68,6 +68,14 @@ TRUSTED: tuple[Trusted, ...] = (
         "tests/test_compiled.py::test_a_compiled_model_compiles_in_the_first_warm_up_only",
     ),
     Trusted(
+        "torch.utils.hooks",
+        ("RemovableHandle.__init__", "BackwardHook"),
+        "the id counter of hook handles (a class attribute): a module with a full backward hook makes "
+        "and removes handles on every call, each with a new id; the ids key hook dicts only, never a "
+        "value the step computes with",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
         "torch.nn.modules.module",
         (
             "Module._call_impl",
@@ -220,8 +228,9 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     Trusted(
         "graphstep.guards.barriers",
-        ("_bump_structure_epoch",),
-        "the write barriers' epoch: a clock the guards compare, bumped on every structural write",
+        ("_bump_structure_epoch", "_noted"),
+        "the write barriers' epoch (a clock the guards compare, bumped on every structural write) and "
+        "their notes of the module attributes written during the capture, which the guard reads",
         "tests/test_integrations_huggingface.py::test_graphstep_trainer_trains_like_the_trainer",
     ),
     Trusted(
