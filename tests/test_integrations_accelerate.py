@@ -23,15 +23,18 @@ def batches(n: int = CALLS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
 
 
-def run(steps: int, *, clip: bool, captured: bool, loader: bool = False):
+def run(steps: int, *, clip: bool, captured: bool, loader: bool = False, scaled: bool = False):
     """One accelerate loop; returns (step counts after each call, accelerator.step after each call,
-    the model)."""
+    the model). `scaled`: a GradScaler as fp16 has (on the CPU, fp32 numbers with a scale so large
+    that the first steps overflow and are skipped); then the counters are `step_was_skipped`."""
     accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
     accelerate.state.GradientState._reset_state()
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
+    if scaled:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**115)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=not scaled)
     graphstep.optim.make_capturable(opt, "cpu")  # what graphstep does to the captured one
     data = batches()
     if loader:
@@ -42,7 +45,7 @@ def run(steps: int, *, clip: bool, captured: bool, loader: bool = False):
 
     def step(x, y):
         with accelerator.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x), y) * (1e4 if scaled else 1.0)
             accelerator.backward(loss)
             if clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 0.1)
@@ -60,7 +63,7 @@ def run(steps: int, *, clip: bool, captured: bool, loader: bool = False):
     for x, y in data:
         step(x, y)
         counts.append(int(opt.optimizer.state[first]["step"]) if opt.optimizer.state else 0)
-        counters.append(accelerator.step)
+        counters.append(opt.step_was_skipped if scaled else accelerator.step)
     if captured:
         assert step.stats.replays > 0, step.stats
         step.close()
@@ -98,7 +101,9 @@ def test_accumulate_entered_twice_in_one_call_is_refused():
             with accelerator.accumulate(model):
                 model(half).sum().backward()
 
-    captured = capture_accelerated(accelerator, step, model=model, config=graphstep.Config(backend="recording"))
+    captured = capture_accelerated(
+        accelerator, step, model=model, config=graphstep.Config(backend="recording")
+    )
     with pytest.raises(GraphStepError, match=r"accumulate\(\) 2 times in one call"):
         captured(torch.randn(4, 8))
 
@@ -126,3 +131,13 @@ def test_a_plain_capture_around_accumulate_is_refused_naming_capture_accelerated
     text = str(info.value)
     assert "_do_sync" in text and "accelerator.accumulate" in text and "capture_accelerated" in text, text
     assert accelerator.step == 2, "accelerate's counter was put back as the two warm-ups left it"
+
+
+def test_a_step_the_grad_scaler_skips_is_reported_skipped_after_replays_too():
+    """fp16's GradScaler skips a step with inf gradients, and `step_was_skipped` says so (a prepared
+    scheduler reads it); with the inf check in an eager segment, it is set after each graph's call."""
+    counts, skipped, model = run(1, clip=False, captured=False, scaled=True)
+    g_counts, g_skipped, g_model = run(1, clip=False, captured=True, scaled=True)
+    assert True in skipped and False in skipped, skipped
+    assert (g_counts, g_skipped) == (counts, skipped)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), g_model.parameters()))

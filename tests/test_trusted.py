@@ -268,7 +268,9 @@ def test_ddp_no_sync_and_require_backward_grad_sync_train_like_eager(tmp_path):
 
         (model, opt), (twin, twin_opt) = make(), make()
         eager = make_step(model, opt)
-        captured = graphstep.capture(make_step(twin, twin_opt), model=twin, optimizer=twin_opt, config=RECORDING)
+        captured = graphstep.capture(
+            make_step(twin, twin_opt), model=twin, optimizer=twin_opt, config=RECORDING
+        )
         for i, (x, y) in enumerate(batches(40)):
             accumulate = i % 2 == 0
             for ddp in (model, twin):  # the manual way too, from outside the step: no reduction

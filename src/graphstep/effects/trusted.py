@@ -164,6 +164,16 @@ TRUSTED: tuple[Trusted, ...] = (
         "once graphstep makes the optimizer capturable",
         _T + "test_torch_grad_scaler_and_optimizer_hooks_train_like_eager",
     ),
+    # -- accelerate --------------------------------------------------------------------------
+    Trusted(
+        "accelerate.optimizer",
+        ("AcceleratedOptimizer.step", "patch_optimizer_step"),
+        "accelerate's record of whether fp16's GradScaler skipped the step (`_is_overflow`, "
+        "`_accelerate_step_called`) and its swap of the optimizer's `step` for the call: "
+        "capture_accelerated sets the record after every call a graph ran, from whether the scaler "
+        "backed off (a plain graphstep.capture cannot prepare an AcceleratedOptimizer)",
+        "tests/test_integrations_accelerate.py::test_a_step_the_grad_scaler_skips_is_reported_skipped_after_replays_too",
+    ),
     # -- Lightning -----------------------------------------------------------------------------
     *(
         Trusted(
@@ -240,6 +250,14 @@ TRUSTED: tuple[Trusted, ...] = (
         "tests/test_effects_writes.py::test_an_attribute_counter_in_forward_is_refused_and_a_buffer_is_equal_to_eager",
     ),
     Trusted(
+        "graphstep.integrations.lightning",
+        ("_GraphStepLogic", "_Logged", "_routed_closure_class"),
+        "the Lightning integration's own per-call bookkeeping (whether the step's Python ran this call, "
+        "the values `self.log` got, the closure's routing): set before every call, and what a replay "
+        "needs of it is redone after the replay",
+        "tests/test_integrations_lightning.py::test_callback_trains_like_plain_lightning",
+    ),
+    Trusted(
         "graphstep.integrations.huggingface",
         ("_Accumulation.in_step", "_Accumulation.run"),
         "counts `accelerator.accumulate` entries of one call; capture_accelerated resets "
@@ -286,7 +304,7 @@ def qualname(code: types.CodeType, module: str) -> str:
     return qualnames_in(module).get(code, code.co_name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qualnames_in(module: str) -> dict[types.CodeType, str]:
     """Code object -> qualified name, for the functions and methods of `module` (and the code nested
     in them). Asked only for modules with trusted entries, on Python 3.10."""

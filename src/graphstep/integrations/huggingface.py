@@ -44,8 +44,9 @@ step, `zero_grad` and DDP's `no_sync` included. The first call finds out whether
 capture, naming `accelerator.accumulate` (accelerate's counter is a Python write a replay would not
 repeat).
 
-Not redone after a replay: `optimizer.step_was_skipped` under fp16 (GradScaler) keeps the value of the
-capture, so an `AcceleratedScheduler` does not see a skipped step.
+Under fp16 (GradScaler, an optimizer that is not fused), `optimizer.step_was_skipped` (which a prepared
+scheduler reads to skip its step too) is set after every call that a graph ran, from whether the
+scaler backed off: the step was skipped exactly then.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def capture_accelerated(
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else []
     inner = [getattr(o, "optimizer", o) for o in optimizers]  # AcceleratedOptimizer.optimizer
     modules = model if isinstance(model, (list, tuple)) else [model] if model is not None else None
-    accumulation = _Accumulation(accelerator)
+    accumulation = _Accumulation(accelerator, optimizers)
 
     # graphstep looks for optimizers in the step's closure and would find accelerate's wrapper, which
     # it cannot prepare (it skips Optimizer.__init__). Called through this function, the step's own
@@ -175,8 +176,16 @@ class _Accumulation:
     `accelerator.accumulate()`. Here it runs eagerly before the call instead, and the step's own
     `accumulate()` finds `in_step` in its place, which leaves the decision as it is."""
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Any, optimizers: list) -> None:
         self.accelerator = accelerator
+        self.scaled = [
+            o
+            for o in optimizers
+            if getattr(o, "scaler", None) is not None
+            and not getattr(o.optimizer, "_step_supports_amp_scaling", False)
+        ]
+        """AcceleratedOptimizers whose GradScaler skips a step on the host (fp16, not fused): what
+        `step_was_skipped` says is redone after a call whose Python did not run it."""
         self.uses: bool | None = None
         """Whether the step enters `accumulate()`: found by its first call."""
         self.entered = 0
@@ -242,10 +251,24 @@ class _AcceleratedStep(CapturedStep):
         phase = accumulation.before_call()
         accelerator = accumulation.accelerator
         accelerator._do_sync = accumulation.in_step  # what accumulate() calls while the step runs
+        scales = [o.scaler._scale.clone() for o in accumulation.scaled if o.scaler._scale is not None]
+        ran = self._stats.replays + self._stats.captures
         try:
-            return super().__call__(*args, _graphstep_accumulation=phase, **kwargs)
+            result = super().__call__(*args, _graphstep_accumulation=phase, **kwargs)
         finally:
             del accelerator._do_sync
+        if (
+            phase[0]
+            and len(scales) == len(accumulation.scaled)
+            and self._stats.replays + self._stats.captures > ran
+        ):
+            # A graph ran the step: accelerate's Python that tells a skipped step (its patched
+            # `optimizer.step` not called: inf gradients) did not, or saw the step deferred to a
+            # segment. GradScaler backs its scale off exactly when it skipped.
+            for o, before in zip(accumulation.scaled, scales):
+                o._is_overflow = bool(o.scaler._scale < before)
+                o._accelerate_step_called = False
+        return result
 
 
 _classes: dict[str, type] = {}
