@@ -42,6 +42,13 @@ def test_every_entry_names_functions_that_exist_and_a_test_that_exists():
             assert obj is not None, f"{e.module}.{qualname} does not exist"
 
 
+def test_the_docs_list_every_entry_with_its_test():
+    text = (TESTS.parent / "docs" / "python-effects.md").read_text()
+    for e in trusted.TRUSTED:
+        assert f"`{e.module}`" in text and e.test.replace("tests/", "") in text, e.module
+        assert all(f"`{name}`" in text for name in e.names), e.module
+
+
 def test_qualified_names_on_python_3_10_come_from_the_modules_own_functions():
     """Python 3.10 has no co_qualname: the names are found from the module's functions and classes."""
     module = "torch.nn.modules.module"

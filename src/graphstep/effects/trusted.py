@@ -76,6 +76,21 @@ TRUSTED: tuple[Trusted, ...] = (
         _T + "test_torch_module_hooks_train_like_eager",
     ),
     Trusted(
+        "torch._compile",
+        ("_disable_dynamo",),
+        "the wrapper torch puts around its own functions (a module call, `zero_grad`) caches the "
+        "disabled function on the function at its first call: the same object ever after; it runs on "
+        "every module call, so judging it would cost the capture an opcode trace of each",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch._dynamo.eval_frame",
+        ("_callback_from_stance", "DisableContext", "_TorchDynamoContext"),
+        "picks dynamo's callback for the current stance on every call of a disabled function and "
+        "writes nothing that outlives the call: trusted for the capture's cost (every module call)",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
         "torch.nn.modules.module",
         (
             "Module._call_impl",
@@ -83,9 +98,16 @@ TRUSTED: tuple[Trusted, ...] = (
             "Module.__getattr__",
             "Module.__setattr__",
             "Module.__delattr__",
+            "Module.named_modules",
+            "Module._named_members",
+            "Module.named_parameters",
+            "Module.parameters",
+            "Module.named_buffers",
+            "Module.buffers",
         ),
         "the machinery of a module call (hooks run in order, a forward's result returned) and of "
-        "attribute access: per-call locals and hook bookkeeping, the same on every call; a store "
+        "attribute access, and the walks over its submodules and parameters (writing only the memo "
+        "each makes): per-call locals and hook bookkeeping, the same on every call; a store "
         "a module's own code makes (`self.x = ...`) is judged in that code's frame",
         _T + "test_torch_module_hooks_train_like_eager",
     ),
@@ -248,6 +270,34 @@ TRUSTED: tuple[Trusted, ...] = (
         ("WriteWatch.__exit__",),
         "the write watch's own list of what it found, filled as it stops watching",
         "tests/test_effects_writes.py::test_an_attribute_counter_in_forward_is_refused_and_a_buffer_is_equal_to_eager",
+    ),
+    Trusted(
+        "graphstep.distributed.collectives",
+        ("Together", "_Watch"),
+        "the ranks' agreement collective by collective in one call (the count issued so far, whether "
+        "the ranks stopped and why): made for each call, read by graphstep only",
+        "tests/test_distributed.py::test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank",
+    ),
+    Trusted(
+        "graphstep.distributed.vote",
+        ("GlooBoard", "SharedMemoryBoard"),
+        "the vote's transport: a sequence number each exchange advances on every rank alike, so that "
+        "ranks meet in the same exchange; taking it back on one rank would hang the others",
+        "tests/test_distributed.py::test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank",
+    ),
+    Trusted(
+        "graphstep.optim.python_state",
+        ("_collect", "_memory", "StepObserver"),
+        "the optimizer watch's walk over an optimizer's Python values, writing only what it builds: "
+        "trusted for the capture's cost (it visits every parameter's state)",
+        "tests/test_optim_python_state.py::test_a_python_value_first_changed_at_capture_moves_the_step_to_a_segment",
+    ),
+    Trusted(
+        "graphstep.state",
+        ("_collect",),
+        "the walk that finds the tensors a step trains, writing only the list it builds: trusted for "
+        "the capture's cost",
+        "tests/test_capture.py::test_every_call_is_one_step_equal_to_eager",
     ),
     Trusted(
         "graphstep.integrations.lightning",

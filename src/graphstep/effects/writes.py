@@ -12,10 +12,10 @@ package's Python counter is as frozen by a replay as the user's — to an object
 capture began: an attribute of an object, module or class, a global, a closure variable of an
 enclosing function, the contents of a list, dict, set, deque or bytearray (item assignment, `del`,
 in-place operators, and their mutating methods). A library's write names its line and the user's line
-that led there. Not judged: the code `trusted.py` lists, each with its reason (torch, graphstep, the
-standard library, Lightning's and the HF Trainer's bookkeeping, accelerate), writes to objects the step
-creates, whatever an eager segment does (it runs on every replay), and code the interpreter runs on its
-own in the middle of the step (a gc callback, a finalizer). A write of the value already there
+that led there. Not judged: the functions `trusted.py` names, each with its reason and its test (the
+standard library, torch's module-call machinery and lazy caches, Lightning's progress counters, ...),
+writes to objects the step creates, whatever an eager segment does (it runs on every replay), and code
+the interpreter runs on its own in the middle of the step (a gc callback, a finalizer). A write of the value already there
 (`self.flag = True` when it was True, an equal number) changes nothing.
 
 How: an opcode tracer (`sys.settrace`) on judged frames that contain stores or calls of containers'
