@@ -160,7 +160,7 @@ class Checkpointed(TinyNet):
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_torch_autocast_and_checkpoint_train_like_eager(reentrant):
     # Without dropout in the checkpointed part: the recording backend does not record the CPU
-    # generator checkpointing puts back (issue 40, item 6); the GPU test runs it with dropout.
+    # generator checkpointing puts back (issue 40, item 6); tests/gpu/test_trusted_gpu.py runs it with dropout.
     equal(lambda: Checkpointed(reentrant), mse_step)
 
 
