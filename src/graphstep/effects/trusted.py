@@ -165,6 +165,14 @@ TRUSTED: tuple[Trusted, ...] = (
         )
     ),
     Trusted(
+        "torch.autograd.profiler",
+        ("record_function", "_maybe_cupti_monitor"),
+        "a profiler range (every optimizer step opens one, and graphstep's named ranges) checks once "
+        "per process whether a CUPTI monitor runs (`_cupti_monitor_checked`): set at the first range "
+        "ever and the same after; the range object is made per call",
+        "tests/test_explain.py::test_explain_finds_nothing_wrong_with_a_clean_step",
+    ),
+    Trusted(
         "torch.amp.grad_scaler",
         ("GradScaler",),
         "GradScaler's per-optimizer stage and found-inf records, made anew by `update()` every step; "
@@ -284,6 +292,34 @@ TRUSTED: tuple[Trusted, ...] = (
         "the vote's transport: a sequence number each exchange advances on every rank alike, so that "
         "ranks meet in the same exchange; taking it back on one rank would hang the others",
         "tests/test_distributed.py::test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank",
+    ),
+    Trusted(
+        "graphstep.optim.live",
+        ("Live",),
+        "the device tensors that keep an optimizer's hyperparameters live (lr, betas), made at the "
+        "first step of each parameter group and filled from the Python values before every call",
+        "tests/test_explain.py::test_explain_finds_nothing_wrong_with_a_clean_step",
+    ),
+    Trusted(
+        "graphstep.effects.host_random",
+        ("HostRandomWatch",),
+        "the host-random watch's record of the draws it saw while capturing: each is refused, or "
+        "drawn again by graphstep after every replay",
+        "tests/test_host_random.py::test_numpy_mixup_lambda_is_refused_with_its_line_and_the_pass_it_in_fix",
+    ),
+    Trusted(
+        "graphstep.diagnostics",
+        ("HostSyncWatch", "_SyncSpy"),
+        "the host-sync watch's record of the syncs it saw and the graph breaks they predict (what "
+        "`graphstep.explain` reports and a capture refuses)",
+        "tests/test_graph_breaks.py::test_explain_names_the_break_a_capture_will_make_and_the_ones_made",
+    ),
+    Trusted(
+        "graphstep.backends.library_segments",
+        ("_as_segment",),
+        "the record of which library calls became eager segments and what they cost (the capture's "
+        "log line); the segment itself runs on every replay",
+        "tests/test_library_segments.py::test_grad_scaler_with_an_unfused_optimizer_runs_its_step_as_a_segment_equal_to_eager",
     ),
     Trusted(
         "graphstep.optim.python_state",

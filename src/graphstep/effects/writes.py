@@ -331,7 +331,7 @@ class WriteWatch:
             obj = None if values.same(p.before, now) else values.find_cell(frame.f_code, p.name, now)
             if obj is None:
                 return
-        if p.kind != "global" and not self._census.existed(obj):
+        if not self._census.existed(obj):  # a global: of a module imported during the capture?
             return
 
         def where() -> tuple[str, Any] | None:  # the first write to a place only: these walk the stack
