@@ -110,21 +110,22 @@ def test_library_writes_leaving_the_same_value_scratch_state_or_new_objects_are_
     assert twin.scaled.mode == "train" and twin.scaled.calls == 0
 
 
-def test_the_trusted_list_gives_a_reason_for_each_package_and_judges_the_rest():
-    assert trusted.reason("torch.nn.modules.module") and "tensors" in trusted.reason(
-        "torch.nn.modules.module"
-    )
-    assert trusted.reason("torch.optim.lr_scheduler") is None, "a scheduler's epoch counter is judged"
-    assert trusted.reason("pytorch_lightning.core.module") and trusted.reason("logging")
-    assert trusted.reason("graphstep.guards.reads") and trusted.reason("graphstep.demo.gpt") is None
-    for package in (
-        "timm.optim.lamb",
-        "schedulefree.adamw_schedulefree",
-        "pytorch_optimizer",
-        "torchmetrics",
+def test_the_trusted_list_names_functions_never_a_package():
+    assert trusted.reason("torch.nn.modules.module", "Module._call_impl")
+    assert trusted.reason("torch.nn.modules.module", "Module._call_impl.<locals>.inner"), "nested code"
+    assert trusted.reason("torch.nn.modules.module", "Module.train") is None, "not named: judged"
+    assert trusted.reason("torch.optim.lr_scheduler", "LRScheduler.step") is None, "an epoch counter"
+    assert trusted.reason("logging", "Logger.isEnabledFor"), "the standard library"
+    assert trusted.reason("graphstep.demo.gpt", "GPT.forward") is None
+    for module, name in (
+        ("timm.optim.lamb", "Lamb.step"),
+        ("schedulefree.adamw_schedulefree", "AdamWScheduleFree.step"),
+        ("torchmetrics.metric", "Metric.update"),
+        ("accelerate.accelerator", "Accelerator._do_sync"),
+        ("transformers.trainer", "Trainer.training_step"),
     ):
-        assert trusted.reason(package) is None, package
-    assert all(why is None or len(why) > 40 for why in trusted.TRUSTED.values()), "each entry says why"
+        assert trusted.reason(module, name) is None, (module, name)
+    assert all(len(e.why) > 40 and e.names and "::" in e.test for e in trusted.TRUSTED), "each says why"
 
 
 def test_a_scheduler_stepped_inside_the_step_is_refused():

@@ -183,7 +183,12 @@ def capture_variant(
     if isinstance(recording, PartsRecording):
         recording.undo = None  # accepted: the writes it could take back are the step's
         recording.segments = captured["segments"]
-        recording.grads_after = [(p, p.grad) for p in params if recording.segments or p.grad is not None]
+        # A grad the step drops (`zero_grad()`, set_to_none) after one that existed before it (an
+        # accumulating micro-batch's) is dropped after every replay too: the next call starts from None.
+        had = {id(p) for p, g in snapshot.grads if g is not None}
+        recording.grads_after = [
+            (p, p.grad) for p in params if recording.segments or p.grad is not None or id(p) in had
+        ]
         recording.host_draws = captured.get("host_draws", [])
         recording.ring = captured["ring"]
     recording.outputs = sig.unflatten(captured["spec"], captured["tensors"])

@@ -285,3 +285,60 @@ def test_accelerate_loop_bitwise_equal_to_eager():
     for (name, p), q in zip(model.named_parameters(), g_model.parameters()):
         assert torch.equal(p, q), name
     report("accelerate_loop", graphed_ms, plain_ms, steps=STEPS, mixed_precision="bf16")
+
+
+def _accumulate_run(accelerate, steps: int, precision: str, clip: bool, captured: bool):
+    """A plain accelerate loop with `accelerator.accumulate(model)` around one micro-batch per call;
+    returns the losses, the optimizer's step count after every call, and the model."""
+    from graphstep.integrations.huggingface import capture_accelerated
+
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerate.state.GradientState._reset_state()
+    accelerator = accelerate.Accelerator(mixed_precision=precision, gradient_accumulation_steps=steps)
+    torch.manual_seed(0)
+    model = GPT(CFG).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    graphstep.optim.make_capturable(opt, "cuda")
+    model, opt = accelerator.prepare(model, opt)
+
+    def step(x, y):
+        with accelerator.accumulate(model):
+            loss = model(x, y)
+            accelerator.backward(loss)
+            if clip and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    if captured:
+        step = capture_accelerated(accelerator, step, model=model, optimizer=opt)
+    losses, counts = [], []
+    first = next(iter(model.parameters()))
+    with deterministic():
+        for x, y in make_batches(CFG, batch_size=8, n_batches=6 * steps + 4, device="cuda"):
+            losses.append(step(x, y))
+            counts.append(int(opt.optimizer.state[first]["step"]) if opt.optimizer.state else 0)
+        torch.cuda.synchronize()
+    if captured:
+        assert step.stats.replays > 0, step.stats
+        step.close()
+    return losses, counts, model
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clip"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("steps", [2, 4])
+def test_accelerate_accumulate_bitwise_equal_to_eager(steps, precision, clip):
+    """accelerate's own gradient accumulation through capture_accelerated: one graph per phase
+    (accumulate only, or sync and step), every call one eager step (fp16: GradScaler's inf check
+    and the optimizer's update run as an eager segment)."""
+    accelerate = pytest.importorskip("accelerate", reason="needs accelerate")
+    losses, counts, model = _accumulate_run(accelerate, steps, precision, clip, captured=False)
+    g_losses, g_counts, g_model = _accumulate_run(accelerate, steps, precision, clip, captured=True)
+    assert counts[: 2 * steps] == [(i + 1) // steps for i in range(2 * steps)] or precision == "fp16", counts
+    assert g_counts == counts
+    for i, (a, b) in enumerate(zip(losses, g_losses, strict=True)):
+        assert torch.equal(a, b), f"call {i}: {a.item()} != {b.item()}"
+    for (name, p), q in zip(model.named_parameters(), g_model.parameters()):
+        assert torch.equal(p, q), name

@@ -67,9 +67,13 @@ class LibraryWrites:
 
     def undo_all(self) -> None:
         """Put back every place a library wrote, judged or not (a failed capture leaves what eager
-        would: a metric that rebound its state tensors before the capture stopped gets them back)."""
+        would: a metric that rebound its state tensors before the capture stopped gets them back),
+        but for a global the library made that holds an object (a lazily made singleton: code that
+        made it once reads it without looking, and would fail on a missing name)."""
         firsts, self._first = [f for f in self._first.values() if f is not None], {}
         for f in reversed(firsts):
+            if f.kind == "global" and f.before is values.MISSING and not _plain(f.obj.get(f.name)):
+                continue  # a library's lazily made global (a singleton): deleting it breaks the library
             if f.kind == "global":
                 values.undo_global(f.obj, f.name, f.before)()
             elif f.kind == "cell":

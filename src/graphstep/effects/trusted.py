@@ -2,63 +2,437 @@
 
 Where code lives decides nothing: a package from pip that advances a Python counter in the step is as
 frozen by a replay as the user's own `self.seen += 1`, so `writes.WriteWatch` judges library code as it
-judges the user's. The exceptions are code graphstep knows: its Python writes in a step are
-bookkeeping set again to the same effect on every call, redone by graphstep after each replay, or
-state whose per-step values are tensors (which the graph updates). A package is named by its module
-prefix; the longest prefix that matches decides, and a prefix mapped to None is judged after all.
+judges the user's. The exceptions are named here function by function (a class names all its
+methods), never a whole package: each is code whose Python writes in a step are bookkeeping set again
+to the same effect on every call (a lazy cache, scratch state reset by every call) or redone by
+graphstep after each replay. Each entry names the test that runs that code inside a captured step and
+compares it with eager: a name on the list is a promise a test keeps.
+
+Found by running each package's stateful APIs inside captured steps with nothing trusted and reading
+what the watch refused (torch's optimizers, schedulers, DDP `no_sync`, checkpointing, parametrization
+caching, clipping and GradScaler leave nothing a replay misses: they are judged and pass). What a
+trusted function does that changes per call is live (a tensor), a key of the graph (accelerate's sync
+decision, `integrations/huggingface.py`), a segment or refused.
+
+A function is named by its module (`__name__` of its globals) and qualified name (`co_qualname`, on
+Python 3.10 found from the module's own functions and classes); an entry's name also covers what is
+nested inside it (`Module._call_impl` covers `Module._call_impl.<locals>.inner`). The decision is
+cached per code object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import types
 
 from ..guards.user_code import is_user_file
 
-TRUSTED: dict[str, str | None] = {
-    "graphstep": "graphstep's own bookkeeping (guards, segments, live hyperparameters): it redoes per call what "
-    "a replay needs",
-    "graphstep.demo": None,  # the demo is a training script like the user's
-    "graphstep.bench": None,  # so is the benchmark's step
-    "torch": "torch's Python in a step (module calls and their hooks' machinery, autograd, autocast, "
-    "checkpointing, DDP and FSDP2, GradScaler, the optimizers' base class) sets the same per-call "
-    "bookkeeping on every call; values that change per step are tensors, which the graph updates, and "
-    "torch's optimizers keep theirs on the device once graphstep makes them capturable",
-    "torch.optim.lr_scheduler": None,  # a scheduler stepped inside the step advances a Python epoch
-    "pytorch_lightning": "Lightning's loop bookkeeping: graphstep's Lightning integration captures the "
-    "training step alone and redoes `self.log` and the step counters after each replay",
-    "lightning": "Lightning's loop bookkeeping (as pytorch_lightning)",
-    "lightning_fabric": "Lightning Fabric's bookkeeping (as pytorch_lightning)",
-    "transformers.trainer": "the HF Trainer's bookkeeping: graphstep's Hugging Face integration redoes it "
-    "after each replay",
-    "transformers.utils": "transformers' caches of its own checks and one-time warnings (`warning_once`)",
-    "accelerate": "accelerate's gradient-accumulation state and hooks: graphstep's Hugging Face integration "
-    "keeps the accumulation counter and redoes its bookkeeping",
-    "torchmetrics": None,  # a metric's Python counters in `update` are the user's state
-    "omegaconf": "OmegaConf's interpolation parser keeps its position in long-lived lexer objects (scratch "
-    "state, reset on every parse); the values a step reads from a config are guarded by content",
-}
-"""Module prefix -> why its writes are not judged (None: judged after all)."""
+
+@dataclasses.dataclass(frozen=True)
+class Trusted:
+    """Functions of one module whose writes a capture does not judge."""
+
+    module: str
+    names: tuple[str, ...]
+    """Qualified names of functions or classes (a class: every method, nested code included)."""
+    why: str
+    test: str
+    """The test that runs this code inside a captured step against eager (pytest id)."""
+
+
+_T = "tests/test_trusted.py::"
+
+TRUSTED: tuple[Trusted, ...] = (
+    # -- torch ---------------------------------------------------------------------------------
+    Trusted(
+        "torch._library.simple_registry",
+        ("SimpleLibraryRegistry.find",),
+        "torch's registry of operator entries, filled on the first lookup of each operator: the same "
+        "entry on every later call, read by torch's dispatch, never by the step's numbers",
+        _T + "test_torch_lazy_operator_caches_fill_once_and_train_like_eager",
+    ),
+    Trusted(
+        "torch._ops",
+        ("_OpNamespace.__getattr__",),
+        "torch.ops' namespaces cache an operator the first time it is looked up (`torch.ops.aten.foo`): "
+        "the same object on every later call",
+        _T + "test_torch_lazy_operator_caches_fill_once_and_train_like_eager",
+    ),
+    Trusted(
+        "torch._dynamo.mutation_guard",
+        ("GenerationTracker", "install_generation_tagging_init"),
+        "dynamo's generation counter tags modules made while a frame runs; only dynamo's guards read "
+        "it, and a compiled model compiles in the warm-ups, never at capture (backends/compiled.py)",
+        "tests/test_compiled.py::test_a_compiled_model_compiles_in_the_first_warm_up_only",
+    ),
+    Trusted(
+        "torch.utils.hooks",
+        ("RemovableHandle.__init__", "BackwardHook"),
+        "the id counter of hook handles (a class attribute): a module with a full backward hook makes "
+        "and removes handles on every call, each with a new id; the ids key hook dicts only, never a "
+        "value the step computes with",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch._compile",
+        ("_disable_dynamo",),
+        "the wrapper torch puts around its own functions (a module call, `zero_grad`) caches the "
+        "disabled function on the function at its first call: the same object ever after; it runs on "
+        "every module call, so judging it would cost the capture an opcode trace of each",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch._dynamo.eval_frame",
+        ("_callback_from_stance", "DisableContext", "_TorchDynamoContext"),
+        "picks dynamo's callback for the current stance on every call of a disabled function and "
+        "writes nothing that outlives the call: trusted for the capture's cost (every module call)",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch.nn.modules.module",
+        (
+            "Module._call_impl",
+            "Module._wrapped_call_impl",
+            "Module.__getattr__",
+            "Module.__setattr__",
+            "Module.__delattr__",
+            "Module.named_modules",
+            "Module._named_members",
+            "Module.named_parameters",
+            "Module.parameters",
+            "Module.named_buffers",
+            "Module.buffers",
+        ),
+        "the machinery of a module call (hooks run in order, a forward's result returned) and of "
+        "attribute access, and the walks over its submodules and parameters (writing only the memo "
+        "each makes): per-call locals and hook bookkeeping, the same on every call; a store "
+        "a module's own code makes (`self.x = ...`) is judged in that code's frame",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch.autograd.function",
+        ("Function", "_SingleLevelFunction", "FunctionCtx", "BackwardCFunction"),
+        "a custom autograd.Function's `apply` and context: saved tensors and flags on the context "
+        "object each call makes",
+        _T + "test_torch_module_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch.amp.autocast_mode",
+        ("autocast",),
+        "autocast's enter and exit save and put back the autocast state on every call",
+        _T + "test_torch_autocast_and_checkpoint_train_like_eager",
+    ),
+    Trusted(
+        "torch.utils.checkpoint",
+        (
+            "checkpoint",
+            "CheckpointFunction",
+            "_checkpoint_without_reentrant_generator",
+            "_checkpoint_hook",
+            "_recomputation_hook",
+            "_CheckpointFrame",
+            "get_device_states",
+            "set_device_states",
+        ),
+        "activation checkpointing stashes the RNG states and the recomputation's counters in objects "
+        "each call makes, and puts the generators back as it found them (the draws themselves are "
+        "the generators' offsets, which the graph advances)",
+        _T + "test_torch_autocast_and_checkpoint_train_like_eager",
+    ),
+    Trusted(
+        "torch.nn.parallel.distributed",
+        ("DistributedDataParallel",),
+        "DDP's per-iteration bookkeeping (the reducer's preparation, `no_sync` setting and restoring "
+        "`require_backward_grad_sync`); a sync flag changed between calls is a module attribute the "
+        "guards watch, and the reductions are collectives in the graph",
+        _T + "test_ddp_no_sync_and_require_backward_grad_sync_train_like_eager",
+    ),
+    *(
+        Trusted(
+            f"torch.distributed.fsdp._fully_shard.{module}",
+            names,
+            "FSDP2's per-iteration state (training state, post-forward order, unshard bookkeeping), "
+            "reset by every forward and backward; the shards and collectives are tensors in the graph",
+            "tests/test_distributed.py::test_parallel_training_matches_eager_on_every_rank",
+        )
+        for module, names in (
+            ("_fsdp_state", ("FSDPState", "_register_group_forward_hooks")),
+            ("_fsdp_param_group", ("FSDPParamGroup", "RegisterPostBackwardFunction")),
+            ("_fsdp_param", ("FSDPParam",)),
+            ("_fully_shard", ("FSDPModule",)),
+        )
+    ),
+    Trusted(
+        "torch.autograd.profiler",
+        ("record_function", "_maybe_cupti_monitor"),
+        "a profiler range (every optimizer step opens one, and graphstep's named ranges) checks once "
+        "per process whether a CUPTI monitor runs (`_cupti_monitor_checked`): set at the first range "
+        "ever and the same after; the range object is made per call",
+        "tests/test_explain.py::test_explain_finds_nothing_wrong_with_a_clean_step",
+    ),
+    Trusted(
+        "torch.amp.grad_scaler",
+        ("GradScaler",),
+        "GradScaler's per-optimizer stage and found-inf records, made anew by `update()` every step; "
+        "the scale and growth tracker are tensors the graph updates (its host-side inf check runs as "
+        "an eager segment: backends/library_segments.py)",
+        _T + "test_torch_grad_scaler_and_optimizer_hooks_train_like_eager",
+    ),
+    Trusted(
+        "torch.optim.optimizer",
+        (
+            "Optimizer.profile_hook_step",
+            "Optimizer._patch_step_function",
+            "Optimizer._cuda_graph_capture_health_check",
+            "Optimizer.zero_grad",
+            "_use_grad_for_differentiable",
+        ),
+        "the optimizers' base class: the step's profiling name and hooks, the one-time capture "
+        "health check, `_opt_called`, grads zeroed; the per-step values (`step`, moments) are tensors "
+        "once graphstep makes the optimizer capturable",
+        _T + "test_torch_grad_scaler_and_optimizer_hooks_train_like_eager",
+    ),
+    # -- accelerate --------------------------------------------------------------------------
+    Trusted(
+        "accelerate.optimizer",
+        ("AcceleratedOptimizer.step", "patch_optimizer_step"),
+        "accelerate's record of whether fp16's GradScaler skipped the step (`_is_overflow`, "
+        "`_accelerate_step_called`) and its swap of the optimizer's `step` for the call: "
+        "capture_accelerated sets the record after every call a graph ran, from whether the scaler "
+        "backed off (a plain graphstep.capture cannot prepare an AcceleratedOptimizer)",
+        "tests/test_integrations_accelerate.py::test_a_step_the_grad_scaler_skips_is_reported_skipped_after_replays_too",
+    ),
+    # -- Lightning -----------------------------------------------------------------------------
+    *(
+        Trusted(
+            f"{package}.loops.progress",
+            ("_Progress.increment_ready", "_Progress.increment_started", "_Progress.increment_completed"),
+            "Lightning's progress counters of the optimizer step and zero_grad, advanced inside the "
+            "step: graphstep's Lightning integration advances them itself after each replay (checked "
+            "against plain Lightning's `fit_loop.state_dict()`)",
+            "tests/test_integrations_lightning.py::test_callback_trains_like_plain_lightning",
+        )
+        for package in ("pytorch_lightning", "lightning.pytorch")
+    ),
+    # -- OmegaConf -----------------------------------------------------------------------------
+    *(
+        Trusted(
+            f"omegaconf.vendor.antlr4.{module}",
+            names,
+            "the parser OmegaConf runs on every read of an interpolation keeps its positions and "
+            "prediction state in long-lived lexer and parser objects, reset at the start of every "
+            "parse; the values a step reads from a config are guarded by content",
+            "tests/test_guards_configs.py::test_a_config_changed_between_calls_picks_a_graph_for_its_new_values",
+        )
+        for module, names in (
+            ("Lexer", ("Lexer",)),
+            ("Parser", ("Parser",)),
+            ("BufferedTokenStream", ("BufferedTokenStream",)),
+            ("atn.LexerATNSimulator", ("SimState", "LexerATNSimulator")),
+            ("atn.ParserATNSimulator", ("ParserATNSimulator",)),
+            ("error.ErrorStrategy", ("DefaultErrorStrategy",)),
+        )
+    ),
+    # -- graphstep's own machinery -------------------------------------------------------------
+    Trusted(
+        "graphstep.backends.recording",
+        ("_Recorder",),
+        "the recording backend's record of the capture (its ops and parts): the graph itself",
+        "tests/test_capture.py::test_every_call_is_one_step_equal_to_eager",
+    ),
+    Trusted(
+        "graphstep.backends.undo",
+        ("UndoLog",),
+        "the values a capture's ops overwrite, kept to take a failed capture back",
+        "tests/test_effects_writes.py::test_an_attribute_counter_in_forward_is_refused_and_a_buffer_is_equal_to_eager",
+    ),
+    Trusted(
+        "graphstep.backends.segments",
+        ("split", "Splitter", "Capture", "Warmup", "run"),
+        "the capture's list of eager segments between graph parts: the graph's own structure",
+        "tests/test_segments.py::test_a_custom_optimizer_with_a_schedule_runs_as_a_segment",
+    ),
+    Trusted(
+        "graphstep.backends.autograd_segments",
+        ("_Plan", "ForwardSegment", "BackwardSegment"),
+        "a graph break's forward and backward segments, recorded into the capture's plan",
+        "tests/test_graph_breaks.py::test_a_marked_module_runs_forward_and_backward_eagerly_between_graphs",
+    ),
+    Trusted(
+        "graphstep.guards.reads",
+        ("ReadWatch",),
+        "the read watch's record of the modules written during the capture (what its guard checks)",
+        "tests/test_integrations_huggingface.py::test_graphstep_trainer_trains_like_the_trainer",
+    ),
+    Trusted(
+        "graphstep.guards.barriers",
+        ("_bump_structure_epoch", "_noted"),
+        "the write barriers' epoch (a clock the guards compare, bumped on every structural write) and "
+        "their notes of the module attributes written during the capture, which the guard reads",
+        "tests/test_integrations_huggingface.py::test_graphstep_trainer_trains_like_the_trainer",
+    ),
+    Trusted(
+        "graphstep.effects.writes",
+        ("WriteWatch.__exit__",),
+        "the write watch's own list of what it found, filled as it stops watching",
+        "tests/test_effects_writes.py::test_an_attribute_counter_in_forward_is_refused_and_a_buffer_is_equal_to_eager",
+    ),
+    Trusted(
+        "graphstep.distributed.collectives",
+        ("Together", "_Watch"),
+        "the ranks' agreement collective by collective in one call (the count issued so far, whether "
+        "the ranks stopped and why): made for each call, read by graphstep only",
+        "tests/test_distributed.py::test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank",
+    ),
+    Trusted(
+        "graphstep.distributed.vote",
+        ("GlooBoard", "SharedMemoryBoard"),
+        "the vote's transport: a sequence number each exchange advances on every rank alike, so that "
+        "ranks meet in the same exchange; taking it back on one rank would hang the others",
+        "tests/test_distributed.py::test_one_more_collective_on_one_rank_while_capturing_is_named_on_every_rank",
+    ),
+    Trusted(
+        "graphstep.optim.live",
+        ("Live",),
+        "the device tensors that keep an optimizer's hyperparameters live (lr, betas), made at the "
+        "first step of each parameter group and filled from the Python values before every call",
+        "tests/test_explain.py::test_explain_finds_nothing_wrong_with_a_clean_step",
+    ),
+    Trusted(
+        "graphstep.effects.host_random",
+        ("HostRandomWatch",),
+        "the host-random watch's record of the draws it saw while capturing: each is refused, or "
+        "drawn again by graphstep after every replay",
+        "tests/test_host_random.py::test_numpy_mixup_lambda_is_refused_with_its_line_and_the_pass_it_in_fix",
+    ),
+    Trusted(
+        "graphstep.diagnostics",
+        ("HostSyncWatch", "_SyncSpy"),
+        "the host-sync watch's record of the syncs it saw and the graph breaks they predict (what "
+        "`graphstep.explain` reports and a capture refuses)",
+        "tests/test_graph_breaks.py::test_explain_names_the_break_a_capture_will_make_and_the_ones_made",
+    ),
+    Trusted(
+        "graphstep.backends.library_segments",
+        ("_as_segment",),
+        "the record of which library calls became eager segments and what they cost (the capture's "
+        "log line); the segment itself runs on every replay",
+        "tests/test_library_segments.py::test_grad_scaler_with_an_unfused_optimizer_runs_its_step_as_a_segment_equal_to_eager",
+    ),
+    Trusted(
+        "graphstep.optim.python_state",
+        ("_collect", "_memory", "StepObserver"),
+        "the optimizer watch's walk over an optimizer's Python values, writing only what it builds: "
+        "trusted for the capture's cost (it visits every parameter's state)",
+        "tests/test_optim_python_state.py::test_a_python_value_first_changed_at_capture_moves_the_step_to_a_segment",
+    ),
+    Trusted(
+        "graphstep.state",
+        ("_collect",),
+        "the walk that finds the tensors a step trains, writing only the list it builds: trusted for "
+        "the capture's cost",
+        "tests/test_capture.py::test_every_call_is_one_step_equal_to_eager",
+    ),
+    Trusted(
+        "graphstep.integrations.lightning",
+        ("_GraphStepLogic", "_Logged", "_routed_closure_class"),
+        "the Lightning integration's own per-call bookkeeping (whether the step's Python ran this call, "
+        "the values `self.log` got, the closure's routing): set before every call, and what a replay "
+        "needs of it is redone after the replay",
+        "tests/test_integrations_lightning.py::test_callback_trains_like_plain_lightning",
+    ),
+    Trusted(
+        "graphstep.integrations.huggingface",
+        ("_Accumulation.in_step", "_Accumulation.run"),
+        "counts `accelerator.accumulate` entries of one call; capture_accelerated resets "
+        "the count and advances accelerate's own sync decision before every call, replays included",
+        "tests/test_integrations_accelerate.py::test_accumulate_trains_like_the_eager_accelerate_loop",
+    ),
+)
+"""Every function whose writes a capture does not judge, with its reason and its test."""
 
 _STDLIB = (
     "the standard library: its writes in a step are caches and registries (logging's level cache, "
     "warnings' once-registry, a context manager's own generator), not values a step computes with"
 )
 
+_BY_MODULE: dict[str, list[tuple[str, Trusted]]] = {}
+for _entry in TRUSTED:
+    for _name in _entry.names:
+        _BY_MODULE.setdefault(_entry.module, []).append((_name, _entry))
 
-@functools.lru_cache(maxsize=8192)
-def reason(module: str) -> str | None:
-    """Why code of `module` is trusted, or None when its writes are judged."""
-    top = module.split(".", 1)[0]
-    if top in sys.stdlib_module_names:
-        return _STDLIB
-    parts = module.split(".")
-    for end in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:end])
-        if prefix in TRUSTED:
-            return TRUSTED[prefix]
+
+def entry(module: str, qualname: str) -> Trusted | None:
+    """The entry that trusts function `qualname` of `module`, or None."""
+    for name, found in _BY_MODULE.get(module, ()):
+        if qualname == name or qualname.startswith(name + "."):
+            return found
     return None
+
+
+def reason(module: str, qualname: str) -> str | None:
+    """Why function `qualname` of `module` is trusted, or None when its writes are judged."""
+    if module.split(".", 1)[0] in sys.stdlib_module_names:
+        return _STDLIB
+    found = entry(module, qualname)
+    return found.why if found is not None else None
+
+
+def qualname(code: types.CodeType, module: str) -> str:
+    """The qualified name of `code`: `co_qualname` from Python 3.11 on; before, looked up among the
+    functions and classes of `module` (the code of a function nested in one gets its name under it;
+    code found nowhere there, its bare name)."""
+    name = getattr(code, "co_qualname", None)
+    if name is not None:
+        return name
+    return qualnames_in(module).get(code, code.co_name)
+
+
+@functools.cache
+def qualnames_in(module: str) -> dict[types.CodeType, str]:
+    """Code object -> qualified name, for the functions and methods of `module` (and the code nested
+    in them). Asked only for modules with trusted entries, on Python 3.10."""
+    found: dict[types.CodeType, str] = {}
+    namespace = sys.modules.get(module)
+    if namespace is not None:
+        for value in list(vars(namespace).values()):
+            _add(value, module, found, set())
+    return found
+
+
+def _add(value: object, module: str, found: dict, seen: set) -> None:
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        for part in (value.fget, value.fset, value.fdel):
+            _add(part, module, found, seen)
+        return
+    if isinstance(value, type):
+        if value.__module__ == module:
+            for member in list(vars(value).values()):
+                _add(member, module, found, seen)
+        return
+    for _ in range(8):  # functools.wraps chains: the wrapped function is the one defined here
+        if isinstance(value, types.FunctionType) and value.__module__ == module:
+            _add_code(value.__code__, value.__qualname__, found)
+        inner = getattr(value, "__wrapped__", None) if isinstance(value, types.FunctionType) else None
+        if inner is None:
+            return
+        value = inner
+
+
+def _add_code(code: types.CodeType, name: str, found: dict) -> None:
+    if code in found:
+        return
+    found[code] = name
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _add_code(const, f"{name}.<locals>.{const.co_name}", found)
 
 
 def _generated(filename: str) -> bool:
@@ -86,9 +460,8 @@ class CodeKinds:
         code = frame.f_code
         judged = self._judged.get(code)
         if judged is None:
-            module = frame.f_globals.get("__name__") or ""
             judged = self._judged[code] = not _generated(code.co_filename) and (
-                self.is_user(code) or reason(module) is None
+                self.is_user(code) or _judged(code, frame.f_globals.get("__name__") or "")
             )
         return judged
 
@@ -98,3 +471,12 @@ class CodeKinds:
         while caller is not None and not self.is_user(caller.f_code):
             caller = caller.f_back
         return caller
+
+
+@functools.lru_cache(maxsize=16384)
+def _judged(code: types.CodeType, module: str) -> bool:
+    if module.split(".", 1)[0] in sys.stdlib_module_names:
+        return False
+    if module not in _BY_MODULE:
+        return True
+    return entry(module, qualname(code, module)) is None

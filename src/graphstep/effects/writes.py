@@ -12,10 +12,10 @@ package's Python counter is as frozen by a replay as the user's — to an object
 capture began: an attribute of an object, module or class, a global, a closure variable of an
 enclosing function, the contents of a list, dict, set, deque or bytearray (item assignment, `del`,
 in-place operators, and their mutating methods). A library's write names its line and the user's line
-that led there. Not judged: the code `trusted.py` lists, each with its reason (torch, graphstep, the
-standard library, Lightning's and the HF Trainer's bookkeeping, accelerate), writes to objects the step
-creates, whatever an eager segment does (it runs on every replay), and code the interpreter runs on its
-own in the middle of the step (a gc callback, a finalizer). A write of the value already there
+that led there. Not judged: the functions `trusted.py` names, each with its reason and its test (the
+standard library, torch's module-call machinery and lazy caches, Lightning's progress counters, ...),
+writes to objects the step creates, whatever an eager segment does (it runs on every replay), and code
+the interpreter runs on its own in the middle of the step (a gc callback, a finalizer). A write of the value already there
 (`self.flag = True` when it was True, an equal number) changes nothing.
 
 How: an opcode tracer (`sys.settrace`) on judged frames that contain stores or calls of containers'
@@ -331,7 +331,7 @@ class WriteWatch:
             obj = None if values.same(p.before, now) else values.find_cell(frame.f_code, p.name, now)
             if obj is None:
                 return
-        if p.kind != "global" and not self._census.existed(obj):
+        if not self._census.existed(obj):  # a global: of a module imported during the capture?
             return
 
         def where() -> tuple[str, Any] | None:  # the first write to a place only: these walk the stack
@@ -389,9 +389,15 @@ def refusal(step_name: str, writes: list[Write]) -> str:
         line = f"  - {w.where}: {w.what}"
         if line not in listed:
             listed.append(line)
+    hints = [
+        hint
+        for (path, function), hint in _HINTS.items()
+        if any(path in w.where and function in w.where for w in writes)
+    ]
     return (
         f"capturing {step_name} refused: its code writes Python state that outlives the call:\n"
         + "\n".join(listed)
+        + "".join(f"\n{hint}" for hint in hints)
         + "\nA replay runs the captured GPU work only, no Python: eagerly these writes happen on every "
         "call, with graphstep only in warm-up and at capture, then never again, and the results would "
         "differ from eager without a word.\n"
@@ -403,6 +409,17 @@ def refusal(step_name: str, writes: list[Write]) -> str:
         "Nothing was lost: the model, optimizer, inputs and the Python state written are as they were "
         "before this call."
     )
+
+
+_HINTS = {
+    (os.path.join("accelerate", "accelerator.py"), " in _do_sync: "): (
+        "This is accelerate's gradient-accumulation counter, advanced by `accelerator.accumulate(model)`: "
+        "capture the step with graphstep.integrations.huggingface.capture_accelerated(accelerator, step, "
+        "model=..., optimizer=...), which makes accelerate's decision before every call and keeps one "
+        "graph per phase (accumulate only, or sync and step)."
+    ),
+}
+"""(file path part, function part) of a library write's site -> what to do instead."""
 
 
 def _asynchronous(frame: types.FrameType | None) -> bool:

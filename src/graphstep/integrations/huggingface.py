@@ -30,8 +30,23 @@ the run is bitwise equal to a plain `Trainer` (tested on an H100, with gradient 
 the optimizers inside accelerate's `AcceleratedOptimizer` wrappers to `graphstep.capture`, where
 graphstep can prepare them (capturable, lr as a device tensor). Write the step as usual, with
 `accelerator.backward(loss)`, `accelerator.clip_grad_norm_(...)`, `optimizer.step()`,
-`optimizer.zero_grad()`; accumulate gradients inside the step (a loop over micro-batches) rather than
-with `accelerator.accumulate`, whose step counter is a Python number a graph would bake.
+`optimizer.zero_grad()`, and gradient accumulation as accelerate documents it: one micro-batch per
+call, inside `with accelerator.accumulate(model):`.
+
+accelerate decides on the host, from its own counter, whether a call only accumulates or also syncs
+and steps (`Accelerator._do_sync`, run when `accumulate()` is entered); a graph would bake one
+decision. So capture_accelerated runs accelerate's own `_do_sync` eagerly before every call (warm-up,
+capture and replay alike), lets the `accumulate()` inside the step leave it be, and makes the decision
+(`sync_gradients`, with the number of accumulation steps that `accelerator.backward` divides by) part
+of the graph's key: one graph per phase, and every call is exactly one eager step, its optimizer
+step, `zero_grad` and DDP's `no_sync` included. The first call finds out whether the step enters
+`accumulate()` (once per call at most). A plain `graphstep.capture` around such a step is refused at
+capture, naming `accelerator.accumulate` (accelerate's counter is a Python write a replay would not
+repeat).
+
+Under fp16 (GradScaler, an optimizer that is not fused), `optimizer.step_was_skipped` (which a prepared
+scheduler reads to skip its step too) is set after every call that a graph ran, from whether the
+scaler backed off: the step was skipped exactly then.
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ import torch
 from ..capture import CapturedStep, capture
 from ..config import Config
 from ..diagnostics import StepStats
+from ..errors import GraphStepError
 
 __all__ = ["GraphStepTrainer", "capture_accelerated"]  # noqa: F822 (GraphStepTrainer: module __getattr__)
 
@@ -138,16 +154,121 @@ def capture_accelerated(
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else []
     inner = [getattr(o, "optimizer", o) for o in optimizers]  # AcceleratedOptimizer.optimizer
     modules = model if isinstance(model, (list, tuple)) else [model] if model is not None else None
+    accumulation = _Accumulation(accelerator, optimizers)
 
     # graphstep looks for optimizers in the step's closure and would find accelerate's wrapper, which
     # it cannot prepare (it skips Optimizer.__init__). Called through this function, the step's own
     # closure is not searched: the optimizers inside the wrappers are given explicitly instead.
     @functools.wraps(fn)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
+    def step(*args: Any, _graphstep_accumulation: tuple = (), **kwargs: Any) -> Any:
+        return accumulation.run(fn, args, kwargs)
 
     del step.__wrapped__  # keep graphstep's closure search on `step` itself
-    return capture(step, model=modules, optimizer=inner or None, config=config)
+    captured = _AcceleratedStep(step, model=modules, optimizer=inner or None, config=config)
+    captured._accumulation = accumulation
+    return captured
+
+
+class _Accumulation:
+    """accelerate's gradient-accumulation decision for one captured step, made before each call.
+
+    `Accelerator._do_sync` advances accelerate's counter and sets `sync_gradients` when the step enters
+    `accelerator.accumulate()`. Here it runs eagerly before the call instead, and the step's own
+    `accumulate()` finds `in_step` in its place, which leaves the decision as it is."""
+
+    def __init__(self, accelerator: Any, optimizers: list) -> None:
+        self.accelerator = accelerator
+        self.scaled = [
+            o
+            for o in optimizers
+            if getattr(o, "scaler", None) is not None
+            and not getattr(o.optimizer, "_step_supports_amp_scaling", False)
+        ]
+        """AcceleratedOptimizers whose GradScaler skips a step on the host (fp16, not fused): what
+        `step_was_skipped` says is redone after a call whose Python did not run it."""
+        self.uses: bool | None = None
+        """Whether the step enters `accumulate()`: found by its first call."""
+        self.entered = 0
+        """`accumulate()` entries in the step's Python now running."""
+
+    def before_call(self) -> tuple[bool, int]:
+        """Advance accelerate's decision for this call (if the step accumulates) and return it: the
+        phase that is part of the graph's key."""
+        acc = self.accelerator
+        state = acc.gradient_state
+        if self.uses:
+            type(acc)._do_sync(acc)
+        elif self.uses is None:  # the first call runs accelerate's own `_do_sync` inside: foresee it
+            before = acc.step, state.sync_gradients
+            type(acc)._do_sync(acc)
+            phase = bool(state.sync_gradients), state.num_steps
+            acc.step, state.sync_gradients = before
+            return phase
+        return bool(state.sync_gradients), state.num_steps
+
+    def in_step(self) -> None:
+        """`accelerator._do_sync` while a call runs: the decision was made before the call."""
+        self.entered += 1
+        if self.uses is None and self.entered == 1:
+            acc = self.accelerator
+            type(acc)._do_sync(acc)  # the first call: eager, as accelerate does it
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run the step's Python once (a warm-up or a capture), checking it entered `accumulate()`
+        as its first call did."""
+        self.entered = 0
+        result = fn(*args, **kwargs)
+        if self.entered > 1:
+            raise GraphStepError(
+                f"{_name(fn)} entered accelerator.accumulate() {self.entered} times in one call; "
+                "capture_accelerated supports one accumulate() per call of the step (one micro-batch "
+                "per call, as accelerate's examples write it): call the step once per micro-batch."
+            )
+        uses = self.entered == 1
+        if self.uses is None:
+            self.uses = uses
+        elif uses != self.uses:
+            raise GraphStepError(
+                f"{_name(fn)} {'entered' if uses else 'did not enter'} accelerator.accumulate() in this "
+                f"call, but {'did' if self.uses else 'did not'} in its first call; capture_accelerated "
+                "advances accelerate's accumulation counter before every call, so the step must enter "
+                "accumulate() on every call or on none."
+            )
+        return result
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+class _AcceleratedStep(CapturedStep):
+    """A `CapturedStep` whose calls carry accelerate's accumulation phase in their key."""
+
+    _accumulation: _Accumulation
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        accumulation = self._accumulation
+        phase = accumulation.before_call()
+        accelerator = accumulation.accelerator
+        accelerator._do_sync = accumulation.in_step  # what accumulate() calls while the step runs
+        scales = [o.scaler._scale.clone() for o in accumulation.scaled if o.scaler._scale is not None]
+        ran = self._stats.replays + self._stats.captures
+        try:
+            result = super().__call__(*args, _graphstep_accumulation=phase, **kwargs)
+        finally:
+            del accelerator._do_sync
+        if (
+            phase[0]
+            and len(scales) == len(accumulation.scaled)
+            and self._stats.replays + self._stats.captures > ran
+        ):
+            # A graph ran the step: accelerate's Python that tells a skipped step (its patched
+            # `optimizer.step` not called: inf gradients) did not, or saw the step deferred to a
+            # segment. GradScaler backs its scale off exactly when it skipped.
+            for o, before in zip(accumulation.scaled, scales):
+                o._is_overflow = bool(o.scaler._scale < before)
+                o._accelerate_step_called = False
+        return result
 
 
 _classes: dict[str, type] = {}
