@@ -243,6 +243,13 @@ TRUSTED: tuple[Trusted, ...] = (
         "tests/test_capture.py::test_every_call_is_one_step_equal_to_eager",
     ),
     Trusted(
+        "graphstep.backends.cuda",
+        ("CudaGraphBackend.capture",),
+        "the CUDA backend's list of graph parts of a capture, one begun after each eager segment: the "
+        "graph itself",
+        "tests/gpu/test_segments_gpu.py::test_an_optimizer_in_an_eager_segment_is_bitwise_equal_with_a_changing_schedule",
+    ),
+    Trusted(
         "graphstep.backends.undo",
         ("UndoLog",),
         "the values a capture's ops overwrite, kept to take a failed capture back",
