@@ -250,6 +250,27 @@ TRUSTED: tuple[Trusted, ...] = (
         "tests/gpu/test_segments_gpu.py::test_an_optimizer_in_an_eager_segment_is_bitwise_equal_with_a_changing_schedule",
     ),
     Trusted(
+        "graphstep.backends.grad_order",
+        ("Watch", "Order", "Arguments", "reach", "seeded"),
+        "a capture's walk of the autograd graph and the gradients it hands to each segment's backward, "
+        "made for the capture and read by its replays' segments only",
+        "tests/test_break_data_flow.py::test_a_break_whose_input_is_used_outside_it_trains_bitwise",
+    ),
+    Trusted(
+        "graphstep.backends.loose",
+        ("LooseArguments", "Placeholder", "placeholders", "resolve"),
+        "the arguments handed to eager segments as they are: placeholders of the capture, replaced by "
+        "each call's tensors before its segments run",
+        "tests/test_segment_inputs.py::test_targets_used_only_in_a_segment_are_not_keyed_and_go_to_it_every_call",
+    ),
+    Trusted(
+        "graphstep.guards.module_inputs",
+        ("ModuleInputs",),
+        "a BlockMask on a module swapped for the static one the graph reads during the capture, and put "
+        "back after it: loaded before every replay",
+        "tests/test_inputs.py::test_a_new_block_mask_every_batch_is_one_graph_bitwise_equal_to_eager",
+    ),
+    Trusted(
         "graphstep.backends.undo",
         ("UndoLog",),
         "the values a capture's ops overwrite, kept to take a failed capture back",
