@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 
 import graphstep
 from cpu_common import TinyNet, batches
-from graphstep.effects import trusted
+from graphstep.effects import qualnames, trusted
 from graphstep.errors import PythonWriteError
 
 RECORDING = graphstep.Config(backend="recording", warmup_steps=2, graph_breaks="off")
@@ -52,14 +52,14 @@ def test_the_docs_list_every_entry_with_its_test():
 def test_qualified_names_on_python_3_10_come_from_the_modules_own_functions():
     """Python 3.10 has no co_qualname: the names are found from the module's functions and classes."""
     module = "torch.nn.modules.module"
-    names = trusted.qualnames_in(module)
+    names = qualnames.qualnames_in(module)
     call = inspect.unwrap(torch.nn.Module._call_impl).__code__  # torch wraps it (dynamo's disable)
     assert names[call] == "Module._call_impl"
     nested = [c for c, n in names.items() if n.startswith("Module._call_impl.<locals>.")]
     if sys.version_info >= (3, 11):
         assert all(c.co_qualname == names[c] for c in (call, *nested))
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad).__code__
-    assert trusted.qualnames_in("torch.optim.optimizer")[zero_grad] == "Optimizer.zero_grad"
+    assert qualnames.qualnames_in("torch.optim.optimizer")[zero_grad] == "Optimizer.zero_grad"
 
 
 def test_the_decision_is_per_function_not_per_package():
