@@ -29,6 +29,9 @@ LAST = (
     "test_optim_python_state",
     "test_optimizer_table",
     "test_bench",
+    "test_inputs",
+    "test_trusted",
+    "test_integrations_accelerate",
     "test_integrations_huggingface",
     "test_integrations_lightning",
 )

@@ -13,7 +13,15 @@ import torch
 import graphstep
 from graphstep.errors import GraphStepError, PythonWriteError
 
-accelerate = pytest.importorskip("accelerate", reason="needs accelerate")
+
+def fresh_accelerator(steps: int):
+    """accelerate imported here, not when the file is collected (an import stays for the rest of the
+    process and makes every later capture's census larger: conftest.LAST), its shared state reset."""
+    accelerate = pytest.importorskip("accelerate", reason="needs accelerate")
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerate.state.GradientState._reset_state()
+    return accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
+
 
 CALLS = 10  # 10 batches: with accumulation 4 the last one syncs because the loader ends
 
@@ -27,9 +35,7 @@ def run(steps: int, *, clip: bool, captured: bool, loader: bool = False, scaled:
     """One accelerate loop; returns (step counts after each call, accelerator.step after each call,
     the model). `scaled`: a GradScaler as fp16 has (on the CPU, fp32 numbers with a scale so large
     that the first steps overflow and are skipped); then the counters are `step_was_skipped`."""
-    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
-    accelerate.state.GradientState._reset_state()
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
+    accelerator = fresh_accelerator(steps)
     if scaled:
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**115)
     torch.manual_seed(0)
@@ -90,9 +96,7 @@ def test_accumulate_with_a_prepared_loader_syncs_at_its_end_like_eager():
 
 
 def test_accumulate_entered_twice_in_one_call_is_refused():
-    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
-    accelerate.state.GradientState._reset_state()
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = fresh_accelerator(2)
     model = accelerator.prepare(torch.nn.Linear(8, 1))
     from graphstep.integrations.huggingface import capture_accelerated
 
@@ -109,9 +113,7 @@ def test_accumulate_entered_twice_in_one_call_is_refused():
 
 
 def test_a_plain_capture_around_accumulate_is_refused_naming_capture_accelerated():
-    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
-    accelerate.state.GradientState._reset_state()
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = fresh_accelerator(2)
     torch.manual_seed(0)
     model = accelerator.prepare(torch.nn.Linear(8, 1))
 
