@@ -22,12 +22,14 @@ class Block(torch.nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
         self.reentrant = reentrant
+        # reentrant checkpointing recomputes only when an input needs a gradient: feed it a layer's output
+        self.pre = torch.nn.Linear(64, 64)
         self.inner = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Dropout(0.2))
         self.out = torch.nn.Linear(128, 1)
         self.out.register_full_backward_hook(lambda m, gin, gout: (gin[0] * 0.5,))
 
     def forward(self, x):  # (B, 64) -> (B, 1)
-        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        h = torch.utils.checkpoint.checkpoint(self.inner, self.pre(x), use_reentrant=self.reentrant)
         return self.out(h)
 
 
