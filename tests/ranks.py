@@ -28,6 +28,8 @@ from typing import Any
 
 import preload
 
+PORT_TAKEN = "port taken"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -59,7 +61,15 @@ def _main(
         worker = getattr(importlib.import_module(module), name)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        try:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+            )
+        except Exception as exc:  # the free port was taken before rank 0 listened on it: run_ranks retries
+            if "EADDRINUSE" in str(exc):
+                out.put((rank, PORT_TAKEN, str(exc)))
+                return
+            raise
         result = worker(rank, size, **kwargs)
         if destroy and dist.is_initialized():
             dist.destroy_process_group()
@@ -78,6 +88,30 @@ def run_ranks(
     env: dict[str, str] | None = None,
     exits: tuple[int, ...] = (),
     **kwargs: Any,
+) -> list[Any]:
+    # A port found free can be taken (by NCCL's own sockets, another test's ranks) before rank 0
+    # listens on it: then every rank stops before the worker runs, and the ranks start again.
+    for _ in range(3):
+        try:
+            return _run_once(worker, size, backend, timeout, destroy, env, exits, kwargs)
+        except _PortTaken:
+            continue
+    raise AssertionError("three free ports in a row were taken before rank 0 listened on them")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(
+    worker: Callable,
+    size: int,
+    backend: str,
+    timeout: float,
+    destroy: bool,
+    env: dict[str, str] | None,
+    exits: tuple[int, ...],
+    kwargs: dict,
 ) -> list[Any]:
     ctx = preload.context()
     out = ctx.Queue()
@@ -108,6 +142,7 @@ def run_ranks(
     gone: dict[int, int] = {}  # ranks whose process ended without reporting: exit code
     deadline = time.monotonic() + timeout
     suspects: set[int] = set()
+    port_taken = False
     try:
         # Until every rank reported or ended, one failed (the others are then likely stuck in a
         # collective with it), or time is up.
@@ -120,13 +155,18 @@ def run_ranks(
                 gone.update({r: procs[r].exitcode for r in ended & suspects})
                 suspects = ended - set(gone)
                 continue
+            if status == PORT_TAKEN:
+                port_taken = True
+                break
             (results if status == "ok" else errors)[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=10 if not errors else 1)
+            p.join(timeout=10 if not (errors or port_taken) else 1)
             if p.is_alive():
                 p.kill()
                 p.join()
+    if port_taken:
+        raise _PortTaken
     if errors:
         rank, trace = sorted(errors.items())[0]
         raise AssertionError(f"rank {rank} of {size} failed:\n{trace}")
