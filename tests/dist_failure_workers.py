@@ -37,8 +37,9 @@ def one_rank_out_of_memory_at_capture(rank: int, size: int, *, failing: int, cap
     cuda = device.type == "cuda"
     warmups = distributed_warmups() if cuda else graphstep.Config().warmup_steps
     forwards = itertools.count()  # advanced by a call: not a Python write the capture would refuse
-    # The forwards the captures make: after the warm-ups, every other one (each failed capture's eager
-    # step follows it).
+    capturing_forwards = itertools.count()
+    # On CPU, the forwards the captures make: after the warm-ups, every other one (each failed
+    # capture's eager step follows it).
     capture_forwards = {warmups + 2 * k for k in range(captures)}
 
     def too_big_while_capturing(module, inputs, output):
@@ -46,7 +47,7 @@ def one_rank_out_of_memory_at_capture(rank: int, size: int, *, failing: int, cap
         if rank != failing:
             return
         if cuda:
-            if torch.cuda.is_current_stream_capturing() and n in capture_forwards:
+            if torch.cuda.is_current_stream_capturing() and next(capturing_forwards) < captures:
                 total = torch.cuda.get_device_properties(device).total_memory
                 torch.empty(2 * total, dtype=torch.uint8, device=device)
         elif n in capture_forwards:

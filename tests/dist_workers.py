@@ -306,8 +306,9 @@ def _mlp_data(n: int, device: torch.device) -> list:
 
 def _calls_until_error(step, data: list, before_call=None, *, go_on: bool = False) -> dict:
     """Call `step` on each batch until one raises; the errors of every rank are compared. With
-    `go_on`, a rank catches its first error and calls again (as a loop skipping a batch after an
-    out-of-memory would): `then` is what its next call did."""
+    `go_on`, a rank catches its first error and calls on (as a loop skipping a batch after an
+    out-of-memory would), to the end of the data or another error: `then` is what its next call
+    did, `later` a later call's error."""
     report: dict = {"call": None, "error": None, "message": ""}
     for i, (x, y) in enumerate(data):
         if before_call is not None:
@@ -315,16 +316,16 @@ def _calls_until_error(step, data: list, before_call=None, *, go_on: bool = Fals
         try:
             step(x, y)
         except Exception as exc:
-            if report["error"] is not None:
-                report["then"] = {"call": i, "error": type(exc).__name__, "message": str(exc)}
+            if report["error"] is None:
+                report.update(call=i, error=type(exc).__name__, message=str(exc))
+                if go_on:
+                    continue
                 break
-            report.update(call=i, error=type(exc).__name__, message=str(exc))
-            if not go_on:
-                break
-        else:
-            if report["error"] is not None:
-                report["then"] = {"call": i, "error": None}
-                break
+            error = {"call": i, "error": type(exc).__name__, "message": str(exc)}
+            report["then" if "then" not in report else "later"] = error
+            break
+        if report["error"] is not None and "then" not in report:
+            report["then"] = {"call": i, "error": None}
     report["stats"] = step.stats
     return report
 
@@ -336,12 +337,13 @@ def _finish(report: dict, step) -> dict:
 
 
 def one_rank_raises(
-    rank: int, size: int, *, failing: int, call: int, where: str, go_on: str = "failing"
+    rank: int, size: int, *, failing: int, call: int, where: str, go_on: str = "failing", twin: bool = False
 ) -> dict:
     """A DDP step whose `call`-th run of the step function (1-based: warm-ups, then the capture,
     then replays) raises on rank `failing`, `where` = "before" its backward (the others are about
     to all-reduce gradients with it) or "after" it (the others finish their step). After its
-    error, the failing rank calls once more (`go_on="failing"`), or every rank does ("all")."""
+    error, the failing rank calls once more (`go_on="failing"`), or every rank calls on ("all").
+    With `twin`, an eager DDP twin trains on every batch whose call did not raise: `params_equal`."""
     device = _device(rank)
     model = _ddp(_mlp(device), device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -362,7 +364,23 @@ def one_rank_raises(
     captured = graphstep.capture(step, model=model, optimizer=opt)
     data = _mlp_data(call + 3, device)
     going_on = go_on == "all" or rank == failing
-    return _finish(_calls_until_error(captured, data, go_on=going_on), captured)
+    if not twin:
+        return _finish(_calls_until_error(captured, data, go_on=going_on), captured)
+    eager_model = _ddp(_mlp(device), device)
+    eager = _plain_step(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.05))
+
+    class Both:
+        stats = property(lambda self: captured.stats)
+
+        def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+            captured(x, y)  # raises on every rank in the same call, or on none: the twin skips it too
+            eager(x, y)
+
+    report = _calls_until_error(Both(), data, go_on=going_on)
+    report["params_equal"] = all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters(), strict=True)
+    )
+    return _finish(report, captured)
 
 
 def one_more_collective(rank: int, size: int, *, extra_on: int, when: str, graphs: str) -> dict:

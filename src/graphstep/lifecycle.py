@@ -65,6 +65,14 @@ _ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to a
 def _plan(life: Lifecycle) -> Plan:
     """What this rank would do with a call, before the ranks agree: replay, switch to a variant that
     fits, warm up, capture (a first graph, a variant, again), or run eagerly (stale, churn)."""
+    plan = _wanted(life)
+    ranks = life.ctx.ranks
+    if plan.phase is Phase.CAPTURE and ranks is not None and ranks.ddp_rebuilding:
+        return Plan(Phase.EAGER, "warm")  # DDP rebuilds its buckets in an eager forward first
+    return plan
+
+
+def _wanted(life: Lifecycle) -> Plan:
     ctx = life.ctx
     if life.stale:
         return Plan(Phase.EAGER, "stale")

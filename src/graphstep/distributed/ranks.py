@@ -95,6 +95,9 @@ class Ranks:
         self._together: Together | None = None
         self._modules: Iterable[nn.Module] = ()
         """The modules of the call in `together` (its DDP modules are made usable again after a stop)."""
+        self.ddp_rebuilding = 0
+        """Eager calls still to come before a capture: after a reset, DDP rebuilds its buckets in the
+        second call's forward (`recover_ddp`). The same on every rank: all reset in the same call."""
 
     def agree(self, phase: Phase, limited: bool, name: str = "the step") -> Agreement:
         """Every rank calls this with its own answers; all get the same result, or all raise
@@ -138,13 +141,14 @@ class Ranks:
         except BaseException as exc:
             together.end(exc)
             if is_agreed(exc):  # every rank stopped this call: every rank recovers, at once
-                recover_ddp(modules)
+                self._recover_ddp(modules)
             raise
         finally:
             self._together, self._modules = None, ()
         error = together.end(None)
         if error is not None:
             raise error
+        self.ddp_rebuilding = max(0, self.ddp_rebuilding - 1)
 
     def capture_failure(self, name: str, error: BaseException | None) -> BaseException | None:
         """After a capture, before any replay: the error this rank raises because another rank's
@@ -165,7 +169,11 @@ class Ranks:
         """Every rank runs the call whose capture they stopped eagerly instead (`out_of_memory_at_capture`)."""
         if self._together is not None:
             self._together.again_eagerly()
-        recover_ddp(self._modules)  # a rank stopped inside its backward: DDP expects the rest of it
+        self._recover_ddp(self._modules)  # a rank stopped inside its backward: DDP expects the rest of it
+
+    def _recover_ddp(self, modules: Iterable[nn.Module]) -> None:
+        if recover_ddp(modules):
+            self.ddp_rebuilding = 2
 
     def note_failure(self, error: BaseException) -> None:
         """A call raised `error` on this rank; unless every rank raised with it, the next vote
@@ -206,25 +214,31 @@ def prepare_ddp(modules: Iterable[nn.Module]) -> bool:
     return bool(ddp)
 
 
-def recover_ddp(modules: Iterable[nn.Module]) -> None:
-    """After the ranks stopped a call together: make DDP usable again on every rank.
+def recover_ddp(modules: Iterable[nn.Module]) -> bool:
+    """After the ranks stopped a call together: make DDP usable again on every rank; whether any
+    DDP module was reset.
 
     A rank that stopped inside its backward (before a gradient all-reduce whose peer failed)
     leaves DDP's reducer expecting the rest of that backward: its next forward would fail
-    ("Expected to have finished reduction in the prior iteration"). Resetting the reducer also
-    makes DDP rebuild its buckets, with a broadcast and a host read, on the second forward
-    after: inside a capture that would fail. So rebuild them now, on every rank at once (the
-    ranks reach here in the same call): no forward rebuilds them later.
+    ("Expected to have finished reduction in the prior iteration"). The reset is DDP's own, as
+    when its process group changes: the buckets are rebuilt from the order in which the next
+    backward readies the gradients, in the forward after it (a broadcast and a host read, which
+    a capture cannot hold: `Ranks.ddp_rebuilding`). That order is the one eager DDP's first
+    iteration saw; any other bucket layout sums each gradient over three or more ranks in
+    another order (NCCL's ring splits a bucket by position), and differs in the last bits.
     """
+    reset = False
     for m in (m for root in modules for m in root.modules()):
         if not isinstance(m, nn.parallel.DistributedDataParallel):
             continue
         try:
             m.reducer._reset_state()
-            m.reducer._push_all_rebuilt_params()
-            m.reducer._rebuild_buckets()
         except (AttributeError, RuntimeError) as exc:  # private API of DDP's reducer
             log.warning("graphstep: could not reset DDP after the failed call (%s): recreate it", exc)
+            continue
+        m._has_rebuilt_buckets = False
+        reset = True
+    return reset
 
 
 # -- NCCL with expandable segments ---------------------------------------------------------------
