@@ -72,7 +72,26 @@ def _refused(part: str, err: BaseException) -> None:
     kind = "REFUSED" if isinstance(err, graphstep.GraphStepError) else "ERROR"
     where = traceback.extract_tb(err.__traceback__)[-1]
     text = " ".join(str(err).split())
-    print(f"RESULT {part}: {kind} {type(err).__name__} at {where.filename}:{where.lineno}: {text[:1500]}")
+    print(
+        f"RESULT {part}: {kind} {type(err).__name__} at {where.filename}:{where.lineno}: {text[: int(os.environ.get('PROBE_TEXT', '1500'))]}"
+    )
+
+
+def _one_rank(device: str, port: str) -> None:
+    """A process group of one rank, as torchtitan's trainer and DeepSpeed always make (torchtitan's MoE
+    load-balancing hook asks for a device mesh even on one rank)."""
+    for k, v in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
+        os.environ.setdefault(k, v)
+    if not torch.distributed.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        torch.distributed.init_process_group("gloo" if device == "cpu" else "nccl")
 
 
 # ---------------------------------------------------------------- torchtitan
@@ -83,6 +102,10 @@ def _titan_build(name: str, flavor: str, device: str, seq_len: int, seed: int):
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.train_spec import get_train_spec
 
+    if device == "cpu":  # torchtitan takes "cuda" when no accelerator is found; its meshes then fail on CPU
+        import torchtitan.distributed.parallel_dims as titan_dims
+
+        titan_dims.device_type = "cpu"
     spec = get_train_spec(name)
     job = JobConfig()
     job.model.name, job.model.flavor = name, flavor
@@ -120,7 +143,9 @@ def _titan_step(model, opts, scheds, loss_fn, job, sched_inside: bool):
         pred = model(tokens)
         loss = loss_fn(pred, labels) / labels.numel()  # torchtitan: sum loss over the valid tokens
         loss.backward()
-        dist_utils.clip_grad_norm_(params, job.training.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+        dist_utils.clip_grad_norm_(
+            params, job.training.max_norm, foreach=True, pp_mesh=None, ep_enabled=False
+        )
         opts.step()
         if sched_inside:  # as torchtitan's trainer does; graphstep's recipe steps it after the call
             scheds.step()
@@ -129,15 +154,36 @@ def _titan_step(model, opts, scheds, loss_fn, job, sched_inside: bool):
     return step
 
 
-def titan(part: str, name: str, flavor: str, device: str, steps: int, sched_inside: bool, inner: bool) -> None:
+def _cpu_histc() -> None:
+    """torchtitan's MoE router counts tokens per expert with `torch.histc` on int64 indices, which
+    torch implements on CUDA only ("histogram_cpu" not implemented for 'Long'). On CPU the probe
+    counts the same integers in float32 (exact for these small counts) to get past the router."""
+    histc = torch.histc
+
+    def cpu_histc(x, *args, **kwargs):
+        if x.device.type == "cpu" and not x.is_floating_point():
+            return histc(x.float(), *args, **kwargs).to(x.dtype)
+        return histc(x, *args, **kwargs)
+
+    torch.histc = cpu_histc
+
+
+def titan(
+    part: str, name: str, flavor: str, device: str, steps: int, sched_inside: bool, inner: bool
+) -> None:
+    _one_rank(device, "29531")
+    if device == "cpu" and name == "deepseek_v3":
+        _cpu_histc()
     seq_len = 64
     model, opts, scheds, loss_fn, job, args = _titan_build(name, flavor, device, seq_len, seed=0)
     twin, t_opts, t_scheds, t_loss_fn, _, _ = _titan_build(name, flavor, device, seq_len, seed=0)
     if _first_difference(model, twin):
         print(f"RESULT {part}: ERROR the two builds differ before training")
         return
-    print(f"{part}: {type(model).__name__} {flavor}, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"optimizer {type(opts).__name__}[{', '.join(type(o).__name__ for o in opts.optimizers)}]")
+    print(
+        f"{part}: {type(model).__name__} {flavor}, {sum(p.numel() for p in model.parameters())} parameters, "
+        f"optimizer {type(opts).__name__}[{', '.join(type(o).__name__ for o in opts.optimizers)}]"
+    )
     for o in (*opts.optimizers, *t_opts.optimizers):  # the eager twin gets graphstep's settings too
         graphstep.optim.make_capturable(o, device)
     g = torch.Generator().manual_seed(1)
@@ -153,7 +199,9 @@ def titan(part: str, name: str, flavor: str, device: str, steps: int, sched_insi
             if not sched_inside:
                 t_scheds.step()
         step = graphstep.capture(
-            _titan_step(model, opts, scheds, loss_fn, job, sched_inside), model=model, optimizer=given,
+            _titan_step(model, opts, scheds, loss_fn, job, sched_inside),
+            model=model,
+            optimizer=given,
             config=_backend(device),
         )
         losses = []
@@ -179,17 +227,23 @@ def _ds_engine(device: str, zero: int, dtype: str, seed: int, accum: int):
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": float(os.environ.get("PROBE_DS_CLIP", "1.0")),
         "zero_optimization": {"stage": zero},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}},
         "steps_per_print": 10**9,
     }
     if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
+        # PROBE_DS_NO_OVERFLOW_CHECK=1: DeepSpeed's bf16 option that drops its per-step host read
+        config["bf16"] = {
+            "enabled": True,
+            "check_grad_overflow": not os.environ.get("PROBE_DS_NO_OVERFLOW_CHECK"),
+        }
     elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    engine, opt, _, sched = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine, opt, _, sched = deepspeed.initialize(
+        model=model, config=config, model_parameters=model.parameters()
+    )
     return engine, opt
 
 
@@ -204,25 +258,30 @@ def _ds_step(engine):
     return step
 
 
-def deepspeed_part(part: str, device: str, steps: int, zero: int, dtype: str, accum: int) -> None:
+def deepspeed_part(part: str, device: str, steps: int, zero: int, dtype: str, accum: int, given: str) -> None:
     import deepspeed
 
     dev = "cpu" if device == "cpu" else "cuda"
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(k, v)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if dev == "cpu" else "nccl")
+    _one_rank(dev, "29533")
+    deepspeed.init_distributed(dist_backend="gloo" if dev == "cpu" else "nccl")
     engine, opt = _ds_engine(dev, zero, dtype, seed=0, accum=accum)
     twin, _ = _ds_engine(dev, zero, dtype, seed=0, accum=accum)
-    print(f"{part}: deepspeed {deepspeed.__version__}, engine optimizer {type(opt).__name__}, "
-          f"accelerator {deepspeed.get_accelerator().device_name()}")
+    print(
+        f"{part}: deepspeed {deepspeed.__version__}, engine optimizer {type(opt).__name__}, "
+        f"accelerator {deepspeed.get_accelerator().device_name()}"
+    )
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 32, generator=g).to(dev), torch.randn(4, 1, generator=g).to(dev))
-               for _ in range(steps)]
+    batches = [
+        (torch.randn(4, 32, generator=g).to(dev), torch.randn(4, 1, generator=g).to(dev))
+        for _ in range(steps)
+    ]
     with _deterministic(device):
         wanted = [_ds_step(twin)(x, y) for x, y in batches]
-        step = graphstep.capture(_ds_step(engine), model=engine.module, optimizer=opt, config=_backend(device))
+        # DeepSpeed's ZeRO optimizer wraps a torch optimizer (`.optimizer`) without being one
+        optimizer = {"zero": opt, "inner": getattr(opt, "optimizer", None), "none": None}[given]
+        step = graphstep.capture(
+            _ds_step(engine), model=engine.module, optimizer=optimizer, config=_backend(device)
+        )
         try:
             losses = [step(x, y) for x, y in batches]
         except Exception as err:
@@ -237,10 +296,20 @@ def deepspeed_part(part: str, device: str, steps: int, zero: int, dtype: str, ac
 def versions() -> None:
     import importlib
 
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
-          f"gpu {torch.cuda.get_device_name() if torch.cuda.is_available() else '-'}")
-    for name in ("torchtitan", "deepspeed", "transformer_engine", "datasets", "torchdata", "tyro", "pydantic",
-                 "triton"):
+    print(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+        f"gpu {torch.cuda.get_device_name() if torch.cuda.is_available() else '-'}"
+    )
+    for name in (
+        "torchtitan",
+        "deepspeed",
+        "transformer_engine",
+        "datasets",
+        "torchdata",
+        "tyro",
+        "pydantic",
+        "triton",
+    ):
         try:
             mod = importlib.import_module(name)
             print(f"  {name} {getattr(mod, '__version__', '?')} from {os.path.dirname(mod.__file__)}")
@@ -263,9 +332,16 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--sched", default="outside", choices=["inside", "outside"], help="lr scheduler step")
-    p.add_argument("--optimizer", default="inner", choices=["inner", "container"], help="what capture is given")
+    p.add_argument(
+        "--optimizer",
+        default="inner",
+        choices=["inner", "container", "zero", "none"],
+        help="what capture is given: torchtitan inner|container, DeepSpeed zero|inner|none",
+    )
     a = p.parse_args()
-    part = a.part if a.part != "deepspeed" else f"deepspeed-zero{a.zero}-{a.dtype}-accum{a.accum}"
+    part = a.part
+    if a.part == "deepspeed":
+        part = f"deepspeed-zero{a.zero}-{a.dtype}-accum{a.accum}-opt_{a.optimizer}"
     if a.part.startswith("titan"):
         part = f"{part}-sched_{a.sched}-opt_{a.optimizer}"
     part = f"{part}@{a.device}"
@@ -278,7 +354,7 @@ def main() -> None:
         elif a.part == "titan-dsv3":
             titan(part, "deepseek_v3", "debugmodel", a.device, a.steps, **flags)
         else:
-            deepspeed_part(part, a.device, a.steps, a.zero, a.dtype, a.accum)
+            deepspeed_part(part, a.device, a.steps, a.zero, a.dtype, a.accum, a.optimizer)
     except Exception as err:
         traceback.print_exc()
         _refused(part, err)
