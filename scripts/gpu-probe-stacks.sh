@@ -39,6 +39,7 @@ if ! python3 -c "import torchtitan.models.llama3, torchtitan.models.deepseek_v3"
     >>"$OUT/stacks-install.log" 2>&1
   part 45 versions
 fi
+part 30 tolist
 part 90 titan-llama3 --optimizer inner
 part 90 titan-dsv3 --optimizer inner
 part 60 deepspeed --zero 2 --dtype bf16 --optimizer inner
@@ -46,6 +47,8 @@ part 40 deepspeed --zero 1 --dtype fp32 --optimizer inner
 part 45 titan-llama3 --optimizer container
 part 30 titan-llama3 --sched inside
 part 30 deepspeed --zero 2 --dtype bf16 --optimizer zero
+# the next wall after DeepSpeed's host reads: no clipping, bf16 without its overflow check
+PROBE_DS_CLIP=0 PROBE_DS_NO_OVERFLOW_CHECK=1 PROBE_TEXT=6000 part 30 deepspeed --zero 2 --dtype bf16 --optimizer inner
 
 echo "== summary ($((SECONDS - START)) s)"
 grep -E "^RESULT|^  [a-z_]+ |^  graphstep counts|^python|does not import" "$LOG" | cut -c1-600

@@ -35,17 +35,21 @@ def _backend(device: str) -> graphstep.Config:
 
 
 @contextlib.contextmanager
-def _deterministic(device: str):
+def _deterministic(device: str, warn_only: bool = False):
+    """torch's deterministic mode on CUDA. `warn_only`: for torchtitan's MoE, whose router counts
+    tokens with `torch.histc`, which has no deterministic CUDA kernel and raises otherwise (integer
+    counts are exact whatever the order); torch then warns for every op without one, in the log."""
     if device != "cuda":
         yield
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was)
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
 
 
 def _first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
@@ -192,7 +196,7 @@ def titan(
     eager = _titan_step(twin, t_opts, t_scheds, t_loss_fn, job, sched_inside)
     # graphstep prepares the optimizer it is given; torchtitan's OptimizersContainer holds the real ones
     given = opts.optimizers[0] if inner else opts
-    with _deterministic(device):
+    with _deterministic(device, warn_only=getattr(args, "moe_args", None) is not None):
         wanted = []
         for x, y in batches:
             wanted.append(eager(x, y))
@@ -241,9 +245,7 @@ def _ds_engine(device: str, zero: int, dtype: str, seed: int, accum: int):
         }
     elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    engine, opt, _, sched = deepspeed.initialize(
-        model=model, config=config, model_parameters=model.parameters()
-    )
+    engine, opt, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine, opt
 
 
@@ -290,6 +292,33 @@ def deepspeed_part(part: str, device: str, steps: int, zero: int, dtype: str, ac
     _compare(part, losses, wanted, engine.module, twin.module, step.stats)
 
 
+# ---------------------------------------------------------------- .tolist()
+
+
+def tolist_part(part: str, device: str, steps: int) -> None:
+    """A step that sizes a slice with `.tolist()`, as torchtitan's for-loop MoE experts split tokens:
+    graphstep must refuse it or run it eagerly; a replay with the captured size is a silent error."""
+    w = torch.nn.Parameter(torch.randn(4, device=device))
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        n = (x > 0).sum().tolist()
+        return (x[:n].sum() + w.sum() * 0).detach()
+
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, generator=g).to(device) for _ in range(steps)]
+    captured = graphstep.capture(step, optimizer=opt, config=_backend(device))
+    try:
+        got = [captured(x) for x in xs]
+    except Exception as err:
+        _refused(part, err)
+        return
+    wanted = [step(x) for x in xs]
+    bad = [i for i, (a, b) in enumerate(zip(got, wanted)) if not torch.equal(a, b)]
+    verdict = f"FAIL silent: steps {bad} differ from eager" if bad else "PASS equal to eager"
+    print(f"RESULT {part}: {verdict} ({captured.stats})")
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -325,7 +354,7 @@ def versions() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["versions", "titan-llama3", "titan-dsv3", "deepspeed"])
+    p.add_argument("part", choices=["versions", "titan-llama3", "titan-dsv3", "deepspeed", "tolist"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--zero", type=int, default=2)
@@ -351,6 +380,8 @@ def main() -> None:
             versions()
         elif a.part == "titan-llama3":
             titan(part, "llama3", "debugmodel", a.device, a.steps, **flags)
+        elif a.part == "tolist":
+            tolist_part(part, a.device, a.steps)
         elif a.part == "titan-dsv3":
             titan(part, "deepseek_v3", "debugmodel", a.device, a.steps, **flags)
         else:
