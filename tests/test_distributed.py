@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import graphstep
+from dist_break_workers import train_with_breaks
 from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
 from dist_workers import (
     agree_at_random,
@@ -163,6 +164,36 @@ def test_a_rank_past_max_graphs_runs_eagerly_and_the_others_with_it():
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
     rank0, rank1 = (r["stats"] for r in reports)
     assert rank0["eager_calls"] == rank1["eager_calls"] == 6 and rank0["captures"] == rank1["captures"] == 1
+
+
+# -- automatic graph breaks with ranks: every rank breaks at the same modules -----------------------
+
+
+@pytest.mark.parametrize("sparse_on", [None, (1,)], ids=["every_rank", "rank_1_only"])
+def test_graph_breaks_with_ranks_are_the_same_on_every_rank(sparse_on):
+    """The MoE layers' token dispatch reads counts on the host (on every rank, or only on rank 1, whose
+    layers take the sparse path; rank 0's capture then succeeds and is dropped): every rank breaks at
+    the same modules, every MoE layer of the model, warms up once more in the same call, and captures on
+    the next; bitwise equal to eager on every rank. (No collective in the step: the recording backend
+    stands in for graphs; DDP and FSDP2 on GPUs: tests/gpu/test_distributed_gpu.py.)"""
+    reports = run_ranks(train_with_breaks, 2, kind="plain", sparse_on=sparse_on)
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "recording" and report["error"] is None, f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["breaks"] == ["model.blocks.0.moe", "model.blocks.1.moe"], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+
+
+def test_graph_breaks_off_with_ranks_stop_every_rank_in_the_same_call():
+    reports = run_ranks(train_with_breaks, 2, kind="plain", sparse_on=(1,), graph_breaks="off", steps=5)
+    for rank, report in enumerate(reports):
+        assert report["breaks"] == [] and report["stats"]["captures"] == 0, f"rank {rank}: {report}"
+        error = report["error"]
+        assert error is not None and error["call"] == report["warmups_needed"], f"rank {rank}: {report}"
+        assert error["error"] == "HostSyncError", f"rank {rank}: {report}"
+    assert "on rank 1" in reports[0]["error"]["message"]
 
 
 @pytest.mark.parametrize("vote", ["shm", "gloo"])

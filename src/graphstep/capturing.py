@@ -23,8 +23,10 @@ from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
+from .distributed.breaks import agree_on_breaks
+from .distributed.collectives import is_agreed
 from .effects import host_random
-from .errors import GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
+from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
 from .guards.module_inputs import ModuleInputs
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard, named_modules
@@ -137,9 +139,12 @@ def capture_variant(
     ctx.loose.capturing = False
     if error is None and ctx.loose.reads != loose_reads:  # the step swallowed a placeholder's error
         error = LooseArgumentRead("the step used an argument passed to eager segments only outside them")
+    own = error if error is not None and not is_agreed(error) else None  # not another rank's, relayed
+    voted = False
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
         try:
             failed = ctx.ranks.capture_failure(ctx.name, error)
+            voted = True
         except BaseException as exc:  # the vote itself failed (a rank exited): put everything back first
             failed = exc if error is None else None
         if failed is not None and error is None:
@@ -152,6 +157,18 @@ def capture_variant(
                 undo()
         snapshot.restore()
         python.roll_back()
+        if voted and ctx.ranks.out_of_memory_at_capture() is None:
+            # Every rank knows the capture failed: all make the same graph breaks (those any rank's
+            # failure calls for) and warm up again together, or none does (distributed/breaks.py).
+            again = agree_on_breaks(ctx.ranks, ctx.breaks, own)
+            if again is not None:
+                ctx.ranks.step_eagerly_instead()  # this call's warm-up: its collectives checked afresh
+                ctx.stats.graph_breaks = len(ctx.breaks.made)
+                if again is error:  # this rank's own (its capture reached segments its warm-up did not)
+                    raise again
+                raise again from error
+            if isinstance(error, WarmUpAgain):  # another rank refuses: no rank warms up alone
+                raise CaptureError(str(error)) from error
         if not isinstance(error, Exception):
             raise error
         converted = (

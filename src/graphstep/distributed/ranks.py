@@ -167,6 +167,12 @@ class Ranks:
             self._together.again_eagerly()
         recover_ddp(self._modules)  # a rank stopped inside its backward: DDP expects the rest of it
 
+    def gather_text(self, text: str) -> list[str]:
+        """Every rank's `text`, by rank (every rank calls it in the same call; a rare path: explaining a
+        failure, agreeing on graph breaks). Inside a call run together, not taken for the step's own."""
+        together = self._together
+        return together.gather_text(text) if together is not None else self.board.gather_text(text)
+
     def note_failure(self, error: BaseException) -> None:
         """A call raised `error` on this rank; unless every rank raised with it, the next vote
         tells the others."""

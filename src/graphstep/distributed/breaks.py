@@ -1,0 +1,98 @@
+"""Automatic graph breaks with ranks: every rank breaks at the same modules.
+
+A graph break (`backends/graph_breaks.py`) makes the module a capture stopped in an eager segment, and the
+step warms up once more and captures again. With ranks, that decision must be the same everywhere: a rank
+that runs a module eagerly while another captures it issues that module's collectives (FSDP2's
+all-gathers, tensor parallelism's all-reduces) and the gradient reductions of its parameters (DDP's
+buckets) at other points than its peer, and their collectives pair up wrongly. And the ranks see
+different failures: the first rank whose capture stops (a host sync its data reaches, a branch only it
+takes) stops the others at their next collective, or at the end of their capture, with its error, so only
+that rank knows the line.
+
+So once the ranks have agreed that a capture failed (`Ranks.capture_failure`), and not because a rank ran
+out of memory (every rank then steps eagerly, see ranks.py), each rank says what its own failure calls
+for, in one exchange of short texts over the vote's group (this path only; a replay never pays for it):
+
+- a break: the module (its qualified name in the model, the same on every rank) or known function around
+  the line its capture stopped at;
+- "again": its capture reached eager segments its last warm-up did not (a break moved out, say);
+- "none": its capture was stopped by another rank's failure (or succeeded);
+- "refuse": its failure is not one a break can take (an error in the step, a host sync in the step
+  function itself), or its graph breaks are off.
+
+If no rank refuses and some rank asks for a break or another warm-up, every rank makes the union of the
+breaks (the module and every module of its class, as one process does) and runs this call as one more
+warm-up, together; all capture on the next call, with the same breaks and the same warm-up count. Else
+every rank raises as before: the agreed error, and a failing rank its own.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..backends.graph_breaks import GraphBreaks
+from ..diagnostics import log
+from ..errors import WarmUpAgain
+from .ranks import Ranks
+
+_WHY_CHARS = 300
+"""Of the error a break names, the part sent to the other ranks (the exchange carries 2,000 characters)."""
+
+
+def proposal(breaks: GraphBreaks, own: BaseException | None) -> dict[str, Any]:
+    """What this rank's failed capture calls for. `own`: its own error (None when another rank's
+    failure stopped it, or it succeeded)."""
+    if breaks.mode != "auto":
+        return {"do": "refuse"}  # breaks off (or the eager backend): its error stands, as everywhere
+    if own is None:
+        return {"do": "none"}
+    if isinstance(own, WarmUpAgain):
+        return {"do": "again", "after_break": own.after_break or breaks.moved}
+    target = breaks.target_for(own) if isinstance(own, Exception) else None
+    if target is None:
+        return {"do": "refuse"}
+    kind, _, name, line, why = target
+    return {"do": "break", "kind": kind, "name": name, "line": line, "why": why[:_WHY_CHARS]}
+
+
+def agree_on_breaks(ranks: Ranks, breaks: GraphBreaks, own: BaseException | None) -> WarmUpAgain | None:
+    """After a capture every rank agreed failed: the ranks' proposals exchanged, the breaks made on every
+    rank (the same ones), and the `WarmUpAgain` this rank raises (this call is one more warm-up on every
+    rank); None when some rank refuses: every rank's error stands. `own`: as in `proposal`."""
+    mine = proposal(breaks, own)
+    texts = ranks.gather_text(json.dumps(mine))
+    try:
+        proposals = [json.loads(text) for text in texts]
+    except ValueError:  # a rank's text did not come through: no rank can tell what the others do
+        return None
+    if any(p.get("do") not in ("break", "again", "none") for p in proposals):
+        return None
+    wanted = [p for p in proposals if p["do"] == "break"]
+    after_break = bool(wanted) or any(p.get("after_break") for p in proposals if p["do"] == "again")
+    if not wanted and not any(p["do"] == "again" for p in proposals):
+        return None
+    for rank, p in enumerate(proposals):
+        if p["do"] != "break":
+            continue
+        if rank == ranks.rank and own is not None and breaks.target_for(own) is not None:
+            kind, obj, name, line, why = breaks.target_for(own)
+            if name not in {s for made in breaks.made for s in made.segments}:
+                breaks.make(kind, obj, name, line, why)  # with its frame: a known function's caller too
+            continue
+        line = p["line"] if rank == ranks.rank else f"{p['line']} on rank {rank}"
+        breaks.make_named(p["kind"], p["name"], line, p["why"])
+    breaks.moved = False
+    asking = sorted({r for r, p in enumerate(proposals) if p["do"] in ("break", "again")})
+    log.info(
+        "graphstep: %s: rank(s) %s asked for %s; every rank warms up once more with the same breaks (%d)",
+        breaks.step_name,
+        asking,
+        "a graph break" if wanted else "another warm-up",
+        len(breaks.made),
+    )
+    if isinstance(own, WarmUpAgain):
+        own.after_break = after_break
+        return own
+    what = "a graph break was made" if wanted else f"rank {asking[0]} warms up again"
+    return WarmUpAgain(f"{what} in {breaks.step_name}, on every rank", after_break=after_break)
