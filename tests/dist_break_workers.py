@@ -124,7 +124,7 @@ def train_with_breaks(
     size: int,
     *,
     kind: str,
-    steps: int = 7,
+    steps: int = 6,
     sparse_on: tuple[int, ...] | None = None,
     graph_breaks: str = "auto",
 ) -> dict:

@@ -169,14 +169,13 @@ def test_a_rank_past_max_graphs_runs_eagerly_and_the_others_with_it():
 # -- automatic graph breaks with ranks: every rank breaks at the same modules -----------------------
 
 
-@pytest.mark.parametrize("sparse_on", [None, (1,)], ids=["every_rank", "rank_1_only"])
-def test_graph_breaks_with_ranks_are_the_same_on_every_rank(sparse_on):
-    """The MoE layers' token dispatch reads counts on the host (on every rank, or only on rank 1, whose
-    layers take the sparse path; rank 0's capture then succeeds and is dropped): every rank breaks at
-    the same modules, every MoE layer of the model, warms up once more in the same call, and captures on
-    the next; bitwise equal to eager on every rank. (No collective in the step: the recording backend
-    stands in for graphs; DDP and FSDP2 on GPUs: tests/gpu/test_distributed_gpu.py.)"""
-    reports = run_ranks(train_with_breaks, 2, kind="plain", sparse_on=sparse_on)
+def test_graph_breaks_with_ranks_are_the_same_on_every_rank_and_replay_bitwise():
+    """The MoE layers' token dispatch reads counts on the host, on every rank: each rank's capture stops
+    there, each proposes the same break, and every rank makes it once (every MoE layer of the model),
+    warms up once more in the same call, captures on the next and replays; bitwise equal to eager on
+    every rank. (No collective in the step: the recording backend replays none. A break found on one
+    rank only, under DDP and FSDP2: below; on GPUs, with replays: tests/gpu/test_distributed_gpu.py.)"""
+    reports = run_ranks(train_with_breaks, 2, kind="plain")
     for rank, report in enumerate(reports):
         assert report["backend"] == "recording" and report["error"] is None, f"rank {rank}: {report}"
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
@@ -184,6 +183,24 @@ def test_graph_breaks_with_ranks_are_the_same_on_every_rank(sparse_on):
         stats = report["stats"]
         assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
         assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_graph_break_under_ddp_or_fsdp2_found_on_one_rank_is_made_on_every_rank(kind):
+    """Only rank 1's MoE layers read counts on the host: its capture stops there; rank 0's is stopped at
+    its next collective (DDP's all-reduce, FSDP2's all-gather) by rank 1's failure. Both break at the
+    MoE layers, DDP and FSDP2 are reset (both stopped mid-step), both warm up once more in that call and
+    capture on the next, with the layers' parameters reduced in the segments' backward: bitwise equal to
+    eager. Up to that capture only (the recording backend replays no collective: GPU tests replay)."""
+    warmups = distributed.DDP_WARMUP_STEPS if kind == "ddp" else graphstep.Config().warmup_steps
+    reports = run_ranks(train_with_breaks, 2, kind=kind, sparse_on=(1,), steps=warmups + 2)
+    root = "model.module" if kind == "ddp" else "model"
+    for rank, report in enumerate(reports):
+        assert report["error"] is None and report["losses_equal"] and report["params_equal"], report
+        assert report["breaks"] == [f"{root}.blocks.0.moe", f"{root}.blocks.1.moe"], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] == warmups + 1 and stats["replays"] == 0, f"rank {rank}: {stats}"
 
 
 def test_graph_breaks_off_with_ranks_stop_every_rank_in_the_same_call():

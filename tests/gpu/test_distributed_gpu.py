@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dist_break_workers import train_with_breaks
 from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
 from dist_workers import (
     destroy_with_open_step,
@@ -206,3 +207,31 @@ def test_a_rank_that_exits_mid_run_stops_the_others_within_seconds(at, world):
         assert f"rank(s) [{leaving}]" in report["message"] and report["waited_s"] < 10, (
             f"rank {rank}: {report}"
         )
+
+
+# -- automatic graph breaks with ranks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sparse", ["every_rank", "last_rank"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind, sparse, world):
+    """An MoE layer's token dispatch reads its per-expert counts on the host (`bincount`, `int`, a Python
+    loop over the experts): the capture stops inside it, on every rank or only on the last (the others'
+    layers take a dense path with no host sync: their captures are stopped at a collective by the last
+    rank's failure). Every rank breaks at both MoE layers (one break: every module of that class), warms
+    up once more in the same call and captures on the next; DDP's gradient buckets and FSDP2's
+    reduce-scatters of the layers' parameters run in the segments' backward. Bitwise equal to eager on
+    every rank."""
+    steps = 20
+    sparse_on = None if sparse == "every_rank" else (world - 1,)
+    reports = nccl(train_with_breaks, world, kind=kind, sparse_on=sparse_on, steps=steps)
+    root = "model.module" if kind == "ddp" else "model"
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "cuda" and report["error"] is None, f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["breaks"] == [f"{root}.blocks.0.moe", f"{root}.blocks.1.moe"], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] + stats["replays"] == steps, f"rank {rank}: {stats}"
