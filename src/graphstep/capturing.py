@@ -164,8 +164,6 @@ def capture_variant(
             if again is not None:
                 ctx.ranks.step_eagerly_instead()  # this call's warm-up: its collectives checked afresh
                 ctx.stats.graph_breaks = len(ctx.breaks.made)
-                if again is error:  # this rank's own (its capture reached segments its warm-up did not)
-                    raise again
                 raise again from error
             if isinstance(error, WarmUpAgain):  # another rank refuses: no rank warms up alone
                 raise CaptureError(str(error)) from error

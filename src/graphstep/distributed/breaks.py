@@ -33,7 +33,7 @@ from typing import Any
 
 from ..backends.graph_breaks import GraphBreaks
 from ..diagnostics import log
-from ..errors import WarmUpAgain
+from ..errors import CompileAtCaptureError, WarmUpAgain
 from .ranks import Ranks
 
 _WHY_CHARS = 300
@@ -48,7 +48,14 @@ def proposal(breaks: GraphBreaks, own: BaseException | None) -> dict[str, Any]:
     if own is None:
         return {"do": "none"}
     if isinstance(own, WarmUpAgain):
-        return {"do": "again", "after_break": own.after_break or breaks.moved}
+        compiling = isinstance(own, CompileAtCaptureError)
+        text = str(own)[:_WHY_CHARS]
+        return {
+            "do": "again",
+            "after_break": own.after_break or breaks.moved,
+            "compile": compiling,
+            "why": text,
+        }
     target = breaks.target_for(own) if isinstance(own, Exception) else None
     if target is None:
         return {"do": "refuse"}
@@ -72,27 +79,33 @@ def agree_on_breaks(ranks: Ranks, breaks: GraphBreaks, own: BaseException | None
     after_break = bool(wanted) or any(p.get("after_break") for p in proposals if p["do"] == "again")
     if not wanted and not any(p["do"] == "again" for p in proposals):
         return None
+    target = breaks.target_for(own) if mine["do"] == "break" else None
     for rank, p in enumerate(proposals):
         if p["do"] != "break":
             continue
-        if rank == ranks.rank and own is not None and breaks.target_for(own) is not None:
-            kind, obj, name, line, why = breaks.target_for(own)
-            if name not in {s for made in breaks.made for s in made.segments}:
-                breaks.make(kind, obj, name, line, why)  # with its frame: a known function's caller too
+        if rank == ranks.rank and target is not None:  # its own: with its frame (a known function's caller)
+            if target[2] not in {s for made in breaks.made for s in made.segments}:
+                breaks.make(*target)
             continue
         line = p["line"] if rank == ranks.rank else f"{p['line']} on rank {rank}"
         breaks.make_named(p["kind"], p["name"], line, p["why"])
     breaks.moved = False
-    asking = sorted({r for r, p in enumerate(proposals) if p["do"] in ("break", "again")})
+    asking = [(rank, p) for rank, p in enumerate(proposals) if p["do"] in ("break", "again")]
     log.info(
         "graphstep: %s: rank(s) %s asked for %s; every rank warms up once more with the same breaks (%d)",
         breaks.step_name,
-        asking,
+        [rank for rank, _ in asking],
         "a graph break" if wanted else "another warm-up",
         len(breaks.made),
     )
-    if isinstance(own, WarmUpAgain):
-        own.after_break = after_break
-        return own
-    what = "a graph break was made" if wanted else f"rank {asking[0]} warms up again"
-    return WarmUpAgain(f"{what} in {breaks.step_name}, on every rank", after_break=after_break)
+    # The same error on every rank, so that every rank's next steps (`lifecycle._warm_up_again`) agree:
+    # a compiled frame that would compile at capture gives way as one process does, on every rank.
+    compiling = any(p.get("compile") for _, p in asking)
+    first, said = next((r, p) for r, p in asking if p["do"] == "break") if wanted else asking[0]
+    message = (
+        f"a graph break was made in {breaks.step_name} at {said['name']} (rank {first}'s capture stopped "
+        "inside it), on every rank"
+        if wanted
+        else f"rank {first}: {said['why']} (every rank warms up once more)"
+    )
+    return (CompileAtCaptureError if compiling else WarmUpAgain)(message, after_break=after_break)
