@@ -190,7 +190,7 @@ def test_a_graph_break_under_ddp_or_fsdp2_found_on_one_rank_is_made_on_every_ran
     """Only rank 1's MoE layers read counts on the host: its capture stops there; rank 0's is stopped at
     its next collective (DDP's all-reduce, FSDP2's all-gather) by rank 1's failure. Both break at the
     MoE layers, DDP and FSDP2 are reset (both stopped mid-step), both warm up once more in that call and
-    capture on the next, with the layers' parameters reduced in the segments' backward: bitwise equal to
+    capture on the next (the layers' gradients reduced after the segments' backward): bitwise equal to
     eager. Up to that capture only (the recording backend replays no collective: GPU tests replay)."""
     warmups = distributed.DDP_WARMUP_STEPS if kind == "ddp" else graphstep.Config().warmup_steps
     reports = run_ranks(train_with_breaks, 2, kind=kind, sparse_on=(1,), steps=warmups + 2)

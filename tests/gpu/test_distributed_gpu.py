@@ -220,9 +220,9 @@ def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind,
     loop over the experts): the capture stops inside it, on every rank or only on the last (the others'
     layers take a dense path with no host sync: their captures are stopped at a collective by the last
     rank's failure). Every rank breaks at both MoE layers (one break: every module of that class), warms
-    up once more in the same call and captures on the next; DDP's gradient buckets and FSDP2's
-    reduce-scatters of the layers' parameters run in the segments' backward. Bitwise equal to eager on
-    every rank."""
+    up once more in the same call and captures on the next; DDP's bucket all-reduces and FSDP2's
+    reduce-scatters of the layers' gradients are captured in the graph after the segments' backward.
+    Bitwise equal to eager on every rank, replays included."""
     steps = 20
     sparse_on = None if sparse == "every_rank" else (world - 1,)
     reports = nccl(train_with_breaks, world, kind=kind, sparse_on=sparse_on, steps=steps)
