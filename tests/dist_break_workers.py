@@ -51,11 +51,15 @@ class Dispatch(torch.nn.Module):
         return out.reshape(shape)
 
 
+class OtherDispatch(Dispatch):
+    """The same code under another class: a break at one is not a break at the other."""
+
+
 class Block(torch.nn.Module):
-    def __init__(self, dim: int = DIM):
+    def __init__(self, dim: int = DIM, dispatch: type = Dispatch):
         super().__init__()
         self.norm = torch.nn.LayerNorm(dim)
-        self.moe = Dispatch(dim)
+        self.moe = dispatch(dim)
         self.mlp = torch.nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,10 +68,11 @@ class Block(torch.nn.Module):
 
 
 class MoEStack(torch.nn.Module):
-    def __init__(self, dim: int = DIM, layers: int = 2):
+    def __init__(self, dim: int = DIM, layers: int = 2, crossed: bool = False):
         super().__init__()
         self.inp = torch.nn.Linear(dim, dim)
-        self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(layers))
+        kinds = [OtherDispatch if crossed and i % 2 else Dispatch for i in range(layers)]
+        self.blocks = torch.nn.ModuleList(Block(dim, kind) for kind in kinds)
         self.out = torch.nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,18 +132,20 @@ def train_with_breaks(
     steps: int = 6,
     sparse_on: tuple[int, ...] | None = None,
     graph_breaks: str = "auto",
+    crossed: bool = False,
 ) -> dict:
     """`steps` steps of `MoEStack` under `kind` ("ddp", "fsdp" or "plain"), eagerly and through graphstep
     with automatic graph breaks, from the same weights and data. `sparse_on`: the ranks whose layers
-    dispatch sparsely (with a host sync); every rank when None. Reports bitwise equality, the modules
+    dispatch sparsely (with a host sync); every rank when None. `crossed`: the second layer's dispatch is of
+    another class, and rank r dispatches sparsely in layer 1 - r only (each rank's capture stops in a
+    different module, of a different class). Reports bitwise equality, the modules
     that became segments, the counters, and the first error a call raised (the run stops there)."""
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
-    base = MoEStack().to(device)
-    for m in base.modules():
-        if isinstance(m, Dispatch):
-            m.sparse = sparse_on is None or rank in sparse_on
+    base = MoEStack(crossed=crossed).to(device)
+    for i, block in enumerate(base.blocks):
+        block.moe.sparse = i == 1 - rank if crossed else sparse_on is None or rank in sparse_on
     twins = []
     for _ in range(2):
         model = _wrap(copy.deepcopy(base), kind, device)

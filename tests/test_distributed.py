@@ -169,20 +169,22 @@ def test_a_rank_past_max_graphs_runs_eagerly_and_the_others_with_it():
 # -- automatic graph breaks with ranks: every rank breaks at the same modules -----------------------
 
 
-def test_graph_breaks_with_ranks_are_the_same_on_every_rank_and_replay_bitwise():
-    """The MoE layers' token dispatch reads counts on the host, on every rank: each rank's capture stops
-    there, each proposes the same break, and every rank makes it once (every MoE layer of the model),
-    warms up once more in the same call, captures on the next and replays; bitwise equal to eager on
-    every rank. (No collective in the step: the recording backend replays none. A break found on one
-    rank only, under DDP and FSDP2: below; on GPUs, with replays: tests/gpu/test_distributed_gpu.py.)"""
-    reports = run_ranks(train_with_breaks, 2, kind="plain")
+def test_graph_breaks_with_ranks_are_the_union_of_every_rank_s_and_replay_bitwise():
+    """Two MoE layers of different classes whose token dispatch reads counts on the host, rank 0 in the
+    second layer only, rank 1 in the first: each rank's capture stops in another module, and every rank
+    makes both breaks (the union), warms up once more in the same call, captures on the next and
+    replays; bitwise equal to eager on every rank. (No collective in the step: the recording backend
+    replays none. A break found on one rank only, under DDP and FSDP2: below; on GPUs, with replays:
+    tests/gpu/test_distributed_gpu.py.)"""
+    reports = run_ranks(train_with_breaks, 2, kind="plain", crossed=True)
     for rank, report in enumerate(reports):
         assert report["backend"] == "recording" and report["error"] is None, f"rank {rank}: {report}"
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
         assert report["breaks"] == ["model.blocks.0.moe", "model.blocks.1.moe"], f"rank {rank}: {report}"
         stats = report["stats"]
-        assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["graph_breaks"] == 2 and stats["captures"] == 1, f"rank {rank}: {stats}"
         assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+        assert stats["replays"] == 6 - stats["warmup_calls"] - 1, f"rank {rank}: {stats}"
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
