@@ -161,9 +161,10 @@ def capture_variant(
             # Every rank knows the capture failed: all make the same graph breaks (those any rank's
             # failure calls for) and warm up again together, or none does (distributed/breaks.py).
             again = agree_on_breaks(ctx.ranks, ctx.breaks, own)
-            if again is not None:
+            if isinstance(again, WarmUpAgain):
                 ctx.ranks.step_eagerly_instead()  # this call's warm-up: its collectives checked afresh
                 ctx.stats.graph_breaks = len(ctx.breaks.made)
+            if again is not None:  # (or no rank breaks, for a reason every rank raises)
                 raise again from error
             if isinstance(error, WarmUpAgain):  # another rank refuses: no rank warms up alone
                 raise CaptureError(str(error)) from error

@@ -67,6 +67,8 @@ class GraphBreaks:
         self.unlogged: list[Break] = []
         self.moved = False
         """A break moved out to its enclosing module since the last capture (`move_out`)."""
+        self.refused: str | None = None
+        """Why the last `target_for` found a module around the line but no break can be made there."""
 
     def after_failed_capture(self, error: BaseException) -> bool:
         """The capture failed with `error`: make a break around its failing line and say so (True),
@@ -78,6 +80,8 @@ class GraphBreaks:
             error.after_break, self.moved = True, False
         target = self.target_for(error)
         if target is None:
+            if self.refused:
+                log.warning("graphstep: %s: no graph break: %s", self.step_name, self.refused)
             return False
         self.make(*target)
         return True
@@ -94,11 +98,33 @@ class GraphBreaks:
             target = self.target_of(error.__traceback__)
         else:
             return None
+        self.refused = None
         if target is None:
+            return None
+        if target[0] == "module" and self.refused_by_fsdp(target[1], target[2]):
             return None
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         line = where(error.__traceback__) if not written else "the Python state it writes on every call"
         return (*target, line, why)
+
+    def refused_by_fsdp(self, module: torch.nn.Module, name: str) -> bool:
+        """A module with parameters inside an FSDP2 unit cannot run as a segment (sets `refused`): FSDP2's
+        hooks, captured in the graphs around it, swap the module's parameters between their gathered and
+        sharded forms in Python, which a replay does not run, so between graphs the segment would find
+        the sharded ones (and the gathered memory freed). A module without parameters can."""
+        if next(module.parameters(), None) is None:
+            return False
+        units = [p for p, m in self.modules() if hasattr(m, "reshard") and hasattr(m, "_get_fsdp_state")]
+        unit = max((p for p in units if name == p or name.startswith(p + ".")), key=len, default=None)
+        if unit is None:
+            return False
+        self.refused = (
+            f"the capture stopped inside {name}, which holds parameters that FSDP2 (fully_shard, unit "
+            f"{unit}) gathers and frees around it: as an eager segment between graphs it would not find them "
+            "gathered. Move the part no graph can record into a module without parameters (a dispatch that "
+            "takes the expert outputs, say), keep it on the device, or run this step without graphstep."
+        )
+        return True
 
     def make_named(self, kind: str, name: str, line: str, why: str) -> bool:
         """Make the break another rank's capture called for (`target_for` there): the module at path

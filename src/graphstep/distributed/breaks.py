@@ -33,7 +33,7 @@ from typing import Any
 
 from ..backends.graph_breaks import GraphBreaks
 from ..diagnostics import log
-from ..errors import CompileAtCaptureError, WarmUpAgain
+from ..errors import CaptureError, CompileAtCaptureError, GraphStepError, WarmUpAgain
 from .ranks import Ranks
 
 _WHY_CHARS = 300
@@ -58,21 +58,30 @@ def proposal(breaks: GraphBreaks, own: BaseException | None) -> dict[str, Any]:
         }
     target = breaks.target_for(own) if isinstance(own, Exception) else None
     if target is None:
-        return {"do": "refuse"}
+        return {"do": "refuse", "why": breaks.refused} if breaks.refused else {"do": "refuse"}
     kind, _, name, line, why = target
     return {"do": "break", "kind": kind, "name": name, "line": line, "why": why[:_WHY_CHARS]}
 
 
-def agree_on_breaks(ranks: Ranks, breaks: GraphBreaks, own: BaseException | None) -> WarmUpAgain | None:
+def agree_on_breaks(ranks: Ranks, breaks: GraphBreaks, own: BaseException | None) -> GraphStepError | None:
     """After a capture every rank agreed failed: the ranks' proposals exchanged, the breaks made on every
     rank (the same ones), and the `WarmUpAgain` this rank raises (this call is one more warm-up on every
-    rank); None when some rank refuses: every rank's error stands. `own`: as in `proposal`."""
+    rank); a `CaptureError` every rank raises when a rank found a module around its line where no break
+    can be made (saying why); None when some rank refuses otherwise: every rank's error stands. `own`: as
+    in `proposal`."""
     mine = proposal(breaks, own)
     texts = ranks.gather_text(json.dumps(mine))
     try:
         proposals = [json.loads(text) for text in texts]
     except ValueError:  # a rank's text did not come through: no rank can tell what the others do
         return None
+    reason = next(
+        ((r, p["why"]) for r, p in enumerate(proposals) if p.get("do") == "refuse" and p.get("why")), None
+    )
+    if reason is not None:
+        return CaptureError(
+            f"capturing {breaks.step_name} stopped on rank {reason[0]} and no rank breaks: {reason[1]}"
+        )
     if any(p.get("do") not in ("break", "again", "none") for p in proposals):
         return None
     wanted = [p for p in proposals if p["do"] == "break"]
