@@ -161,13 +161,15 @@ def train_with_breaks(
     graph_breaks: str = "auto",
     crossed: bool = False,
     combine: bool = False,
+    again: bool = False,
 ) -> dict:
     """`steps` steps of `MoEStack` under `kind` ("ddp", "fsdp" or "plain"), eagerly and through graphstep
     with automatic graph breaks, from the same weights and data. `sparse_on`: the ranks whose layers
     dispatch sparsely (with a host sync); every rank when None. `crossed`: the second layer's dispatch is of
     another class, and rank r dispatches sparsely in layer 1 - r only (each rank's capture stops in a
     different module, of a different class). `combine`: the host sync is in a `Combine` without parameters
-    (under FSDP2, a module with parameters cannot be a break). Reports bitwise equality, the modules
+    (under FSDP2, a module with parameters cannot be a break). `again`: after an error, the same batch once
+    more (`then`: its error, or None). Reports bitwise equality, the modules
     that became segments, the counters, and the first error a call raised (the run stops there)."""
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
@@ -199,6 +201,12 @@ def train_with_breaks(
             got = step(x, y)
         except Exception as exc:  # the eager twin stops before this step too: nothing may be lost
             error = {"call": i, "error": type(exc).__name__, "message": str(exc)}
+            if again:
+                try:
+                    step(x, y)
+                    error["then"] = None
+                except Exception as then:
+                    error["then"] = {"error": type(then).__name__, "message": str(then)}
             break
         losses_equal = losses_equal and torch.equal(eager(x, y), got)
     report = {

@@ -211,9 +211,12 @@ def test_a_graph_break_under_ddp_or_fsdp2_found_on_one_rank_is_made_on_every_ran
 def test_no_break_with_ranks_stops_every_rank_in_the_same_call_and_loses_nothing(why):
     """Rank 1's capture stops in an MoE layer and no break is made: graph breaks are off, or the layer
     holds parameters FSDP2 gathers around it (as a segment between graphs, it would not find them
-    gathered in a replay). Every rank raises in the same call, with the reason; nothing of it is kept."""
+    gathered in a replay). Every rank raises in the same call, with the reason; nothing of it is kept,
+    and the same batch again is refused again the same way (FSDP2, reset, captures again)."""
     kind, breaks = ("plain", "off") if why == "breaks_off" else ("fsdp", "auto")
-    reports = run_ranks(train_with_breaks, 2, kind=kind, sparse_on=(1,), graph_breaks=breaks, steps=5)
+    reports = run_ranks(
+        train_with_breaks, 2, kind=kind, sparse_on=(1,), graph_breaks=breaks, steps=5, again=True
+    )
     for rank, report in enumerate(reports):
         assert report["breaks"] == [] and report["stats"]["captures"] == 0, f"rank {rank}: {report}"
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
@@ -225,6 +228,7 @@ def test_no_break_with_ranks_stops_every_rank_in_the_same_call_and_loses_nothing
             assert error["error"] == "CaptureError", f"rank {rank}: {report}"
             assert "stopped on rank 1 and no rank breaks" in error["message"], error
             assert "FSDP2 (fully_shard, unit model.blocks.0)" in error["message"], error
+        assert error["then"] == {"error": error["error"], "message": error["message"]}, error
     if why == "breaks_off":
         assert "on rank 1" in reports[0]["error"]["message"]
 

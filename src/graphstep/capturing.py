@@ -24,7 +24,6 @@ from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
 from .distributed.breaks import agree_on_breaks
-from .distributed.collectives import is_agreed
 from .effects import host_random
 from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
 from .guards.module_inputs import ModuleInputs
@@ -139,7 +138,7 @@ def capture_variant(
     ctx.loose.capturing = False
     if error is None and ctx.loose.reads != loose_reads:  # the step swallowed a placeholder's error
         error = LooseArgumentRead("the step used an argument passed to eager segments only outside them")
-    own = error if error is not None and not is_agreed(error) else None  # not another rank's, relayed
+    own = error if ctx.ranks is not None and error is not None and not ctx.ranks.relayed(error) else None
     voted = False
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
         try:

@@ -170,6 +170,18 @@ class Ranks:
         recover_ddp(self._modules)  # a rank stopped inside its backward: DDP expects the rest of it
         recover_fsdp(self._modules, after_capture=capturing)  # or inside a forward: FSDP2 too
 
+    def relayed(self, error: BaseException) -> bool:
+        """Whether `error` is (or was raised from) the error this call's checked collectives raised because
+        of another rank, rather than this rank's own. (Not `is_agreed`: an error raised while the step's
+        caller handles an earlier agreed one carries that one as its context.)"""
+        stopped = self._together.error if self._together is not None else None
+        seen = 0
+        while error is not None and stopped is not None and seen < 8:
+            if error is stopped:
+                return True
+            error, seen = error.__cause__ or error.__context__, seen + 1
+        return False
+
     def gather_text(self, text: str) -> list[str]:
         """Every rank's `text`, by rank (every rank calls it in the same call; a rare path: explaining a
         failure, agreeing on graph breaks). Inside a call run together, not taken for the step's own."""
@@ -270,7 +282,12 @@ def _reset_fsdp_without_waiting(state: object) -> None:
     comm.all_gather_state = None
     for attr in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
         getattr(comm, attr, []).clear()
-    dropped = ("_all_gather_result", "_post_reduce_event", "_reshard_after_forward_event", "_all_reduce_state")
+    dropped = (
+        "_all_gather_result",
+        "_post_reduce_event",
+        "_reshard_after_forward_event",
+        "_all_reduce_state",
+    )
     for s in getattr(context, "all_states", [state]):
         getattr(s, "_modules_to_run_forward", set()).clear()
         s._training_state = TrainingState.IDLE
