@@ -95,12 +95,17 @@ class Block(torch.nn.Module):
 
 
 class MoEStack(torch.nn.Module):
-    def __init__(self, dim: int = DIM, layers: int = 2, crossed: bool = False, combine: bool = False):
+    def __init__(
+        self, dim: int = DIM, layers: int = 2, crossed: bool = False, combine: bool = False, head: int = 0
+    ):
         super().__init__()
         self.inp = torch.nn.Linear(dim, dim)
         kinds = [OtherDispatch if crossed and i % 2 else Dispatch for i in range(layers)]
         self.blocks = torch.nn.ModuleList(Block(dim, kind, combine) for kind in kinds)
-        self.out = torch.nn.Linear(dim, 1)
+        # `head`: a wide output layer first (its gradients are ready first: they fill DDP's first bucket,
+        # which torch caps at 1 MiB whatever the other buckets' size, before the blocks' get theirs).
+        self.out = torch.nn.Sequential(torch.nn.Linear(dim, head), torch.nn.Linear(head, 1)) if head else None
+        self.out = self.out or torch.nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -116,13 +121,16 @@ def _device(rank: int) -> torch.device:
 def _wrap(model: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
     if kind == "plain":  # per-rank models, no collective in the step (the recording backend on CPU)
         return model
-    if kind == "ddp":
+    if kind in ("ddp", "ddp_buckets"):
+        # "ddp_buckets": buckets of ~4 KiB, so that some are all-reduced in a backward graph before the
+        # segments' backward and waited for in a later one (one bucket holds this whole model otherwise).
+        options = {"bucket_cap_mb": 0.004} if kind == "ddp_buckets" else {}
         if device.type != "cuda":
-            return torch.nn.parallel.DistributedDataParallel(model)
+            return torch.nn.parallel.DistributedDataParallel(model, **options)
         stream = graphstep.capture_stream(device)  # DDP's accumulators run on the stream it was made on
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index], **options)
         torch.cuda.current_stream(device).wait_stream(stream)
         return ddp
     if kind == "fsdp":
@@ -163,7 +171,7 @@ def train_with_breaks(
     combine: bool = False,
     again: bool = False,
 ) -> dict:
-    """`steps` steps of `MoEStack` under `kind` ("ddp", "fsdp" or "plain"), eagerly and through graphstep
+    """`steps` steps of `MoEStack` under `kind` ("ddp", "ddp_buckets", "fsdp" or "plain"), eagerly and through graphstep
     with automatic graph breaks, from the same weights and data. `sparse_on`: the ranks whose layers
     dispatch sparsely (with a host sync); every rank when None. `crossed`: the second layer's dispatch is of
     another class, and rank r dispatches sparsely in layer 1 - r only (each rank's capture stops in a
@@ -174,7 +182,8 @@ def train_with_breaks(
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
-    base = MoEStack(crossed=crossed, combine=combine).to(device)
+    head = 1 << 14 if kind == "ddp_buckets" else 0  # 2 x 16 x 16384 weights: 2 MiB, past DDP's first bucket
+    base = MoEStack(crossed=crossed, combine=combine, head=head).to(device)
     for i, block in enumerate(base.blocks):
         block.moe.sparse = i == 1 - rank if crossed else sparse_on is None or rank in sparse_on
         if block.moe.combine is not None:

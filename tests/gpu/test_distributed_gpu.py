@@ -214,7 +214,7 @@ def test_a_rank_that_exits_mid_run_stops_the_others_within_seconds(at, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("sparse", ["every_rank", "last_rank"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "ddp_buckets", "fsdp"])
 def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind, sparse, world):
     """An MoE layer's token dispatch reads its per-expert counts on the host (`bincount`, `int`, a Python
     loop over the experts): the capture stops inside it, on every rank or only on the last (the others'
@@ -224,7 +224,10 @@ def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind,
     with the experts' parameters (their gradients all-reduced in the graph after the segments' backward);
     under FSDP2 the host sync sits in a `Combine` without parameters (a module holding FSDP2-managed
     parameters cannot be a break: the next test), with the experts run densely in the graphs. Bitwise
-    equal to eager on every rank, replays included."""
+    equal to eager on every rank, replays included. "ddp_buckets": DDP with ~4 KiB buckets, so that
+    buckets are all-reduced in a backward graph before a segment's backward and waited for in a later
+    graph (with one bucket, as "ddp", every all-reduce is in the last graph); FSDP2's reduce-scatter of
+    the second block is likewise issued before the first block's segment backward."""
     steps = 20
     sparse_on = None if sparse == "every_rank" else (world - 1,)
     fsdp = kind == "fsdp"
