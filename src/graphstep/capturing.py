@@ -4,7 +4,9 @@ everything put back as eager would have left it.
 
 `capture_variant` is what `Lifecycle` calls for a first capture, a variant, a re-capture or a switch.
 When an optimizer's step stopped the capture (a host sync, a Python value it changes) and now runs
-as an eager segment, the capture is tried again (`optim/modes.py`, `after_failed_capture`).
+as an eager segment, the capture is tried again (`optim/modes.py`, `after_failed_capture`). When it
+stopped inside a module, that module becomes a graph break and the call one more warm-up; with ranks,
+every rank makes the same breaks, agreed after the capture failed (`distributed/breaks.py`).
 """
 
 from __future__ import annotations
