@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import graphstep
+from dist_break_workers import train_with_breaks
 from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
 from dist_workers import (
     agree_at_random,
@@ -163,6 +164,73 @@ def test_a_rank_past_max_graphs_runs_eagerly_and_the_others_with_it():
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
     rank0, rank1 = (r["stats"] for r in reports)
     assert rank0["eager_calls"] == rank1["eager_calls"] == 6 and rank0["captures"] == rank1["captures"] == 1
+
+
+# -- automatic graph breaks with ranks: every rank breaks at the same modules -----------------------
+
+
+def test_graph_breaks_with_ranks_are_the_union_of_every_rank_s_and_replay_bitwise():
+    """Two MoE layers of different classes whose token dispatch reads counts on the host, rank 0 in the
+    second layer only, rank 1 in the first: each rank's capture stops in another module, and every rank
+    makes both breaks (the union), warms up once more in the same call, captures on the next and
+    replays; bitwise equal to eager on every rank. (No collective in the step: the recording backend
+    replays none. A break found on one rank only, under DDP and FSDP2: below; on GPUs, with replays:
+    tests/gpu/test_distributed_gpu.py.)"""
+    reports = run_ranks(train_with_breaks, 2, kind="plain", crossed=True)
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "recording" and report["error"] is None, f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["breaks"] == ["model.blocks.0.moe", "model.blocks.1.moe"], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["graph_breaks"] == 2 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+        assert stats["replays"] == 6 - stats["warmup_calls"] - 1, f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_graph_break_under_ddp_or_fsdp2_found_on_one_rank_is_made_on_every_rank(kind):
+    """Only rank 1's MoE layers read counts on the host: its capture stops there; rank 0's is stopped at
+    its next collective (DDP's all-reduce, FSDP2's all-gather) by rank 1's failure. Both break at the
+    same modules (under DDP the MoE layers; under FSDP2 their `Combine`, which holds no parameters), DDP
+    and FSDP2 are reset (both ranks stopped mid-step), both warm up once more in that call and capture
+    on the next: bitwise equal to eager. Up to that capture only (the recording backend replays no
+    collective: the GPU tests replay)."""
+    warmups = distributed.DDP_WARMUP_STEPS if kind == "ddp" else graphstep.Config().warmup_steps
+    fsdp = kind == "fsdp"
+    reports = run_ranks(train_with_breaks, 2, kind=kind, sparse_on=(1,), steps=warmups + 2, combine=fsdp)
+    where = "model.blocks.{}.moe.combine" if fsdp else "model.module.blocks.{}.moe"
+    for rank, report in enumerate(reports):
+        assert report["error"] is None and report["losses_equal"] and report["params_equal"], report
+        assert report["breaks"] == [where.format(0), where.format(1)], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] == warmups + 1 and stats["replays"] == 0, f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize("why", ["breaks_off", "fsdp_parameters"])
+def test_no_break_with_ranks_stops_every_rank_in_the_same_call_and_loses_nothing(why):
+    """Rank 1's capture stops in an MoE layer and no break is made: graph breaks are off, or the layer
+    holds parameters FSDP2 gathers around it (as a segment between graphs, it would not find them
+    gathered in a replay). Every rank raises in the same call, with the reason; nothing of it is kept,
+    and the same batch again is refused again the same way (FSDP2, reset, captures again)."""
+    kind, breaks = ("plain", "off") if why == "breaks_off" else ("fsdp", "auto")
+    reports = run_ranks(
+        train_with_breaks, 2, kind=kind, sparse_on=(1,), graph_breaks=breaks, steps=5, again=True
+    )
+    for rank, report in enumerate(reports):
+        assert report["breaks"] == [] and report["stats"]["captures"] == 0, f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        error = report["error"]
+        assert error is not None and error["call"] == report["warmups_needed"], f"rank {rank}: {report}"
+        if why == "breaks_off":
+            assert error["error"] == "HostSyncError", f"rank {rank}: {report}"
+        else:
+            assert error["error"] == "CaptureError", f"rank {rank}: {report}"
+            assert "stopped on rank 1 and no rank breaks" in error["message"], error
+            assert "FSDP2 (fully_shard, unit model.blocks.0)" in error["message"], error
+        assert error["then"] == {"error": error["error"], "message": error["message"]}, error
+    if why == "breaks_off":
+        assert "on rank 1" in reports[0]["error"]["message"]
 
 
 @pytest.mark.parametrize("vote", ["shm", "gloo"])

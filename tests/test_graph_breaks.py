@@ -345,3 +345,30 @@ def test_a_torchmetrics_update_with_its_checks_and_counters_runs_as_a_break():
     assert torch.equal(metrics[0].compute(), metrics[1].compute())
     assert metrics[0]._update_count == metrics[1]._update_count == 6
     assert step.stats.graph_breaks >= 1 and step.stats.captures == 1, step.stats
+
+
+def test_a_known_function_break_another_rank_made_is_patched_where_the_model_looks_it_up(monkeypatch):
+    """With ranks, a break at a known function may come from another rank's capture (no frame here): it is
+    routed through a segment in its own module and in every module of the model's classes that imported
+    it by name; closing the step puts both back."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    from graphstep.backends.graph_breaks import GraphBreaks
+
+    original = F.ctc_loss
+    caller = types.ModuleType("graphstep_test_caller")
+    caller.ctc_loss = original  # `from torch.nn.functional import ctc_loss` in a model's module
+    monkeypatch.setitem(sys.modules, caller.__name__, caller)
+    Head = type("Head", (torch.nn.Module,), {"__module__": caller.__name__})
+    breaks = GraphBreaks("step", "auto", lambda: [("model", Head())], None)
+    try:
+        assert breaks.make_named("function", "torch.nn.functional.ctc_loss", "rank 1's line", "a host sync")
+        assert not breaks.make_named("function", "torch.nn.functional.ctc_loss", "again", "a host sync")
+        assert F.ctc_loss is not original and caller.ctc_loss is F.ctc_loss
+        assert breaks.made[0].segments == ["torch.nn.functional.ctc_loss"]
+    finally:
+        breaks.close()
+    assert F.ctc_loss is original and caller.ctc_loss is original

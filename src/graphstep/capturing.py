@@ -4,7 +4,9 @@ everything put back as eager would have left it.
 
 `capture_variant` is what `Lifecycle` calls for a first capture, a variant, a re-capture or a switch.
 When an optimizer's step stopped the capture (a host sync, a Python value it changes) and now runs
-as an eager segment, the capture is tried again (`optim/modes.py`, `after_failed_capture`).
+as an eager segment, the capture is tried again (`optim/modes.py`, `after_failed_capture`). When it
+stopped inside a module, that module becomes a graph break and the call one more warm-up; with ranks,
+every rank makes the same breaks, agreed after the capture failed (`distributed/breaks.py`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
+from .distributed.breaks import agree_on_breaks
 from .effects import host_random
-from .errors import GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
+from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
 from .guards.module_inputs import ModuleInputs
 from .guards.reads import ReadWatch
 from .guards.state_guard import StateGuard, named_modules
@@ -137,9 +140,12 @@ def capture_variant(
     ctx.loose.capturing = False
     if error is None and ctx.loose.reads != loose_reads:  # the step swallowed a placeholder's error
         error = LooseArgumentRead("the step used an argument passed to eager segments only outside them")
+    own = error if ctx.ranks is not None and error is not None and not ctx.ranks.relayed(error) else None
+    voted = False
     if ctx.ranks is not None:  # before any rank replays a new graph, every capture succeeded
         try:
             failed = ctx.ranks.capture_failure(ctx.name, error)
+            voted = True
         except BaseException as exc:  # the vote itself failed (a rank exited): put everything back first
             failed = exc if error is None else None
         if failed is not None and error is None:
@@ -152,6 +158,17 @@ def capture_variant(
                 undo()
         snapshot.restore()
         python.roll_back()
+        if voted and ctx.ranks.out_of_memory_at_capture() is None:
+            # Every rank knows the capture failed: all make the same graph breaks (those any rank's
+            # failure calls for) and warm up again together, or none does (distributed/breaks.py).
+            again = agree_on_breaks(ctx.ranks, ctx.breaks, own)
+            if isinstance(again, WarmUpAgain):
+                ctx.ranks.step_eagerly_instead()  # this call's warm-up: its collectives checked afresh
+                ctx.stats.graph_breaks = len(ctx.breaks.made)
+            if again is not None:  # (or no rank breaks, for a reason every rank raises)
+                raise again from error
+            if isinstance(error, WarmUpAgain):  # another rank refuses: no rank warms up alone
+                raise CaptureError(str(error)) from error
         if not isinstance(error, Exception):
             raise error
         converted = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dist_break_workers import train_with_breaks
 from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
 from dist_workers import (
     destroy_with_open_step,
@@ -214,3 +215,55 @@ def test_a_rank_that_exits_mid_run_stops_the_others_within_seconds(at, world):
         assert f"rank(s) [{leaving}]" in report["message"] and report["waited_s"] < 10, (
             f"rank {rank}: {report}"
         )
+
+
+# -- automatic graph breaks with ranks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sparse", ["every_rank", "last_rank"])
+@pytest.mark.parametrize("kind", ["ddp", "ddp_buckets", "fsdp"])
+def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind, sparse, world):
+    """An MoE layer's token dispatch reads its per-expert counts on the host (`bincount`, `int`, a Python
+    loop over the experts): the capture stops inside it, on every rank or only on the last (the others'
+    layers take a dense path with no host sync: their captures are stopped at a collective by the last
+    rank's failure). Every rank breaks at both MoE layers (one break: every module of that class), warms
+    up once more in the same call and captures on the next. Under DDP the break is the dispatch module
+    with the experts' parameters (their gradients all-reduced in the graph after the segments' backward);
+    under FSDP2 the host sync sits in a `Combine` without parameters (a module holding FSDP2-managed
+    parameters cannot be a break: the next test), with the experts run densely in the graphs. Bitwise
+    equal to eager on every rank, replays included. "ddp_buckets": DDP with ~4 KiB buckets, so that
+    buckets are all-reduced in a backward graph before a segment's backward and waited for in a later
+    graph (with one bucket, as "ddp", every all-reduce is in the last graph); FSDP2's reduce-scatter of
+    the second block is likewise issued before the first block's segment backward."""
+    steps = 20
+    sparse_on = None if sparse == "every_rank" else (world - 1,)
+    fsdp = kind == "fsdp"
+    reports = nccl(train_with_breaks, world, kind=kind, sparse_on=sparse_on, steps=steps, combine=fsdp)
+    where = "model.blocks.{}.moe.combine" if fsdp else "model.module.blocks.{}.moe"
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "cuda" and report["error"] is None, f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["breaks"] == [where.format(0), where.format(1)], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+        assert stats["warmup_calls"] + stats["replays"] == steps, f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_break_at_a_module_holding_fsdp2_parameters_is_refused_on_every_rank(world):
+    """The last rank's capture stops in an MoE layer whose experts FSDP2 gathers around it: no rank
+    breaks, every rank raises the same CaptureError in the same call (saying why), nothing is lost
+    (parameters equal to eager's before that call), and FSDP2 was reset on every rank: the same batch
+    again captures again (not "mixed torch.Tensor and DTensor") and is refused again the same way."""
+    reports = nccl(train_with_breaks, world, kind="fsdp", sparse_on=(world - 1,), steps=6, again=True)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["breaks"] == [] and report["stats"]["captures"] == 0, f"rank {rank}: {report}"
+        error = report["error"]
+        assert error is not None and error["error"] == "CaptureError", f"rank {rank}: {report}"
+        assert error["call"] == report["warmups_needed"], f"rank {rank}: {report}"
+        assert f"stopped on rank {world - 1} and no rank breaks" in error["message"], error
+        assert "FSDP2 (fully_shard, unit model.blocks.0)" in error["message"], error
+        assert error["then"] == {"error": "CaptureError", "message": error["message"]}, error

@@ -28,7 +28,7 @@ import torch
 
 from .. import signature as sig
 from ..diagnostics import is_host_sync, where
-from ..errors import WarmUpAgain
+from ..errors import GraphStepError, WarmUpAgain
 from . import autograd_segments, segments
 
 log = logging.getLogger("graphstep")
@@ -67,6 +67,8 @@ class GraphBreaks:
         self.unlogged: list[Break] = []
         self.moved = False
         """A break moved out to its enclosing module since the last capture (`move_out`)."""
+        self.refused: str | None = None
+        """Why the last `target_for` found a module around the line but no break can be made there."""
 
     def after_failed_capture(self, error: BaseException) -> bool:
         """The capture failed with `error`: make a break around its failing line and say so (True),
@@ -76,18 +78,76 @@ class GraphBreaks:
             isinstance(error, WarmUpAgain) and self.moved
         ):  # the capture after a break moved out: as after a break
             error.after_break, self.moved = True, False
-        if self.mode != "auto" or isinstance(error, WarmUpAgain):  # (a compile at capture, say)
+        target = self.target_for(error)
+        if target is None:
+            if self.refused:
+                log.warning("graphstep: %s: no graph break: %s", self.step_name, self.refused)
             return False
+        self.make(*target)
+        return True
+
+    def target_for(self, error: BaseException) -> tuple[str, Any, str, str, str] | None:
+        """The break a capture stopped by `error` calls for: (kind, the module or the frame of the known
+        function, its name, where the capture stopped, why), or None (see `after_failed_capture`)."""
+        if self.mode != "auto" or isinstance(error, WarmUpAgain):  # (a compile at capture, say)
+            return None
         written = [m for m in getattr(error, "modules", ()) if not autograd_segments.is_marked(m)]
         if written:  # a library's writes inside a module's forward: run it eagerly, it repeats them
             target = ("module", written[0], self.path_of(written[0]))
         elif not_recordable(error):
             target = self.target_of(error.__traceback__)
         else:
-            return False
+            return None
+        self.refused = None
         if target is None:
+            return None
+        if target[0] == "module" and self.refused_by_fsdp(target[1], target[2]):
+            return None
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        line = where(error.__traceback__) if not written else "the Python state it writes on every call"
+        return (*target, line, why)
+
+    def refused_by_fsdp(self, module: torch.nn.Module, name: str) -> bool:
+        """A module with parameters inside an FSDP2 unit cannot run as a segment (sets `refused`): FSDP2's
+        hooks, captured in the graphs around it, swap the module's parameters between their gathered and
+        sharded forms in Python, which a replay does not run, so between graphs the segment would find
+        the sharded ones (and the gathered memory freed). A module without parameters can."""
+        if next(module.parameters(), None) is None:
             return False
-        kind, obj, name = target
+        units = [p for p, m in self.modules() if hasattr(m, "reshard") and hasattr(m, "_get_fsdp_state")]
+        unit = max((p for p in units if name == p or name.startswith(p + ".")), key=len, default=None)
+        if unit is None:
+            return False
+        self.refused = (
+            f"the capture stopped inside {name}, which holds parameters that FSDP2 (fully_shard, unit "
+            f"{unit}) gathers and frees around it: as an eager segment between graphs it would not find them "
+            "gathered. Move the part no graph can record into a module without parameters (a dispatch that "
+            "takes the expert outputs, say), keep it on the device, or run this step without graphstep."
+        )
+        return True
+
+    def make_named(self, kind: str, name: str, line: str, why: str) -> bool:
+        """Make the break another rank's capture called for (`target_for` there): the module at path
+        `name`, or the known function `name`. False when it is made already; a `GraphStepError` when this
+        rank's model has no such module (the ranks' models differ)."""
+        if any(name in made.segments for made in self.made):
+            return False
+        if kind == "function":
+            self.make("function", None, name, line, why)
+            return True
+        module = dict(self.modules()).get(name)
+        if module is None:
+            raise GraphStepError(
+                f"{self.step_name}: another rank's capture stopped inside {name} and every rank must break "
+                "there, but this rank's model has no module of that name. Build the same model on every "
+                'rank, or set Config(graph_breaks="off").'
+            )
+        self.make("module", module, name, line, why)
+        return True
+
+    def make(self, kind: str, obj: Any, name: str, line: str, why: str) -> None:
+        """Make the break: the module `obj` (and every module of its class) or the known function `name`
+        (`obj`: the frame it failed in, or None) runs eagerly from now on."""
         names = [name]
         if kind == "module":
             # Every module of that class runs the same code: it would stop the next capture too.
@@ -100,10 +160,8 @@ class GraphBreaks:
                 name += f" (and the {len(modules) - 1} other {type(obj).__qualname__} modules of the step)"
             undo = lambda marked=modules: [autograd_segments.unmark(m) for m in marked]  # noqa: E731
         else:
-            undo = _replace_function(obj, name)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        line = where(error.__traceback__) if not written else "the Python state it writes on every call"
-        made = Break(name, names, line, first_line, undo)
+            undo = _replace_function(obj, name, [type(m).__module__ for _, m in self.modules()])
+        made = Break(name, names, line, why, undo)
         self.made.append(made)
         self.unlogged.append(made)
         log.warning(
@@ -112,9 +170,8 @@ class GraphBreaks:
             self.step_name,
             name,
             made.line,
-            first_line,
+            why,
         )
-        return True
 
     def move_out(self, module: torch.nn.Module, spec: Any) -> bool:
         """A break's module returned (`spec`: its results in a warm-up) what no graph can take from a
@@ -230,9 +287,10 @@ def _known_function(frame: types.FrameType) -> str | None:
     return None
 
 
-def _replace_function(frame: types.FrameType, name: str) -> Callable[[], None]:
-    """Route the known function of `frame` through a segment where it is looked up: in its module, and
-    in the globals of the function that called it. Returns what puts the originals back."""
+def _replace_function(frame: types.FrameType | None, name: str, callers: Iterable[str]) -> Callable[[], None]:
+    """Route the known function `name` through a segment where it is looked up: in its module, and in the
+    globals of the function that called it (`frame`'s caller; without a frame, another rank's break: of
+    the modules named in `callers`, those that hold it). Returns what puts the originals back."""
     module_name, _, attr = name.rpartition(".")
     home = sys.modules[module_name]
     original = getattr(home, attr)
@@ -241,8 +299,11 @@ def _replace_function(frame: types.FrameType, name: str) -> Callable[[], None]:
         return autograd_segments.run(original, args, kwargs, name)
 
     places = [home.__dict__]
-    caller = frame.f_back
-    if (
+    caller = frame.f_back if frame is not None else None
+    if frame is None:
+        found = (vars(sys.modules[m]) for m in dict.fromkeys(callers) if m in sys.modules)
+        places += [g for g in found if g.get(attr) is original and g is not home.__dict__]
+    elif (
         caller is not None
         and caller.f_globals.get(attr) is original
         and caller.f_globals is not home.__dict__

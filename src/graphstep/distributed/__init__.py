@@ -3,6 +3,7 @@
 - `ranks.py`: `Ranks`, their agreement on each call's phase, and DDP / NCCL preparation.
 - `collectives.py`: while eager or capturing, ranks go collective by collective together.
 - `vote.py`: the transport of the ranks' vote (shared memory on one host, the process group across hosts).
+- `breaks.py`: after a capture failed, every rank makes the same graph breaks (the union of what each needs).
 """
 
 from .ranks import (

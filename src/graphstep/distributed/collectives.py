@@ -179,6 +179,10 @@ class Together:
         finally:
             self._exchanging = False
 
+    def gather_text(self, text: str) -> list[str]:
+        """Every rank's `text` (each rank calls it in the same call): the vote's exchange, not the step's."""
+        return self._gather(text)
+
     def _gather(self, text: str) -> list[str]:
         self._exchanging = True
         try:

@@ -141,7 +141,7 @@ class Ranks:
         except BaseException as exc:
             together.end(exc)
             if is_agreed(exc):  # every rank stopped this call: every rank recovers, at once
-                self._recover_ddp(modules)
+                self._recover(modules, after_capture=together.capturing)
             raise
         finally:
             self._together, self._modules = None, ()
@@ -167,13 +167,34 @@ class Ranks:
 
     def step_eagerly_instead(self) -> None:
         """Every rank runs the call whose capture they stopped eagerly instead (`out_of_memory_at_capture`)."""
+        capturing = self._together is not None and self._together.capturing
         if self._together is not None:
             self._together.again_eagerly()
-        self._recover_ddp(self._modules)  # a rank stopped inside its backward: DDP expects the rest of it
+        self._recover(self._modules, after_capture=capturing)
 
-    def _recover_ddp(self, modules: Iterable[nn.Module]) -> None:
+    def _recover(self, modules: Iterable[nn.Module], *, after_capture: bool) -> None:
+        """A rank stopped inside its backward: DDP expects the rest of it; or inside a forward: FSDP2 too."""
         if recover_ddp(modules):
             self.ddp_rebuilding = 2
+        recover_fsdp(modules, after_capture=after_capture)
+
+    def relayed(self, error: BaseException) -> bool:
+        """Whether `error` is (or was raised from) the error this call's checked collectives raised because
+        of another rank, rather than this rank's own. (Not `is_agreed`: an error raised while the step's
+        caller handles an earlier agreed one carries that one as its context.)"""
+        stopped = self._together.error if self._together is not None else None
+        seen = 0
+        while error is not None and stopped is not None and seen < 8:
+            if error is stopped:
+                return True
+            error, seen = error.__cause__ or error.__context__, seen + 1
+        return False
+
+    def gather_text(self, text: str) -> list[str]:
+        """Every rank's `text`, by rank (every rank calls it in the same call; a rare path: explaining a
+        failure, agreeing on graph breaks). Inside a call run together, not taken for the step's own."""
+        together = self._together
+        return together.gather_text(text) if together is not None else self.board.gather_text(text)
 
     def note_failure(self, error: BaseException) -> None:
         """A call raised `error` on this rank; unless every rank raised with it, the next vote
@@ -239,6 +260,59 @@ def recover_ddp(modules: Iterable[nn.Module]) -> bool:
         m._has_rebuilt_buckets = False
         reset = True
     return reset
+
+
+def recover_fsdp(modules: Iterable[nn.Module], *, after_capture: bool) -> None:
+    """After the ranks stopped a call together: make FSDP2 usable again on every rank.
+
+    A rank stopped inside a forward or a backward leaves FSDP2's per-iteration state half way: the
+    forward root still claimed, parameter groups unsharded and in their forward state. The next forward
+    would then skip the root's set-up and all-gathers, and use the sharded parameters ("mixed
+    torch.Tensor and DTensor"). `FSDPModule.reset_iter_state` (torch >= 2.13) resets it, waiting on
+    FSDP2's in-flight events; after a stopped CUDA capture those events were recorded in the capture
+    (no stream outside it may wait on them, and the capture ran nothing), so the state is reset without
+    waiting (`after_capture`), as on older torch.
+    """
+    roots = []
+    for m in (m for root in modules for m in root.modules()):
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None and getattr(state(), "_is_root", False):
+            roots.append(m)
+    for root in roots:
+        try:
+            if hasattr(root, "reset_iter_state") and not after_capture:
+                root.reset_iter_state()
+            else:
+                _reset_fsdp_without_waiting(root._get_fsdp_state())
+        except (AttributeError, RuntimeError) as exc:  # private API of FSDP2 on older torch
+            log.warning("graphstep: could not reset FSDP2 after the failed call (%s): recreate it", exc)
+
+
+def _reset_fsdp_without_waiting(state: object) -> None:
+    """FSDP2's per-iteration state back to idle, parameters sharded; nothing in flight is waited for."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    context, comm = state._state_ctx, state._comm_ctx
+    comm.all_gather_state = None
+    for attr in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
+        getattr(comm, attr, []).clear()
+    dropped = (
+        "_all_gather_result",
+        "_post_reduce_event",
+        "_reshard_after_forward_event",
+        "_all_reduce_state",
+    )
+    for s in getattr(context, "all_states", [state]):
+        getattr(s, "_modules_to_run_forward", set()).clear()
+        s._training_state = TrainingState.IDLE
+        for group in s._fsdp_param_groups:
+            for attr in (a for a in dropped if hasattr(group, a)):
+                setattr(group, attr, None)
+            getattr(group, "_post_forward_indices", []).clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    context.iter_forward_root = None
+    context.post_backward_final_callback_queued = False
 
 
 # -- NCCL with expandable segments ---------------------------------------------------------------
