@@ -247,7 +247,8 @@ def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind,
         assert report["breaks"] == [where.format(0), where.format(1)], f"rank {rank}: {report}"
         stats = report["stats"]
         assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
-        assert stats["warmup_calls"] == report["warmups_needed"] + 1, f"rank {rank}: {stats}"
+        extra = 1 if fsdp else 2  # DDP, reset after the stopped capture, rebuilds its buckets in two calls
+        assert stats["warmup_calls"] == report["warmups_needed"] + extra, f"rank {rank}: {stats}"
         assert stats["warmup_calls"] + stats["replays"] == steps, f"rank {rank}: {stats}"
 
 
