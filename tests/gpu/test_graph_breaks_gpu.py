@@ -138,8 +138,15 @@ def test_mixtral_with_its_auxiliary_loss_trains_bitwise_with_graph_breaks(implem
     with transformers_capture_path():  # the eager twin takes the path a capture takes
         compare(lm_step(m_e, o_e), step, data, (m_e, m_g))
     step.close()  # takes the breaks off: the auxiliary loss function is transformers' again
-    # the experts, and the auxiliary loss where it reads the host (bincount copies)
-    assert step.stats.graph_breaks == 2 and step.stats.captures == 1, step.stats
+    # the experts module ("eager": nonzero) or one grouped matmul (float32 weights: torch's fallback reads
+    # the offsets on the host), and the auxiliary loss where it counts with bincount (transformers 5.17;
+    # 5.24 counts with histc, on the device)
+    import inspect
+
+    from transformers.models.mixtral import modeling_mixtral
+
+    bincount = "torch.bincount(" in inspect.getsource(modeling_mixtral.load_balancing_loss_func)
+    assert step.stats.graph_breaks == 1 + bincount and step.stats.captures == 1, step.stats
 
 
 def test_ctc_loss_with_host_lengths_that_change_every_batch_trains_bitwise():
