@@ -182,3 +182,27 @@ def test_moe_family_trains_bitwise_with_the_breaks_its_code_needs(family, implem
 def test_grouped_mm_with_bf16_weights_is_captured_whole_on_hopper(family, aux):
     """bf16 expert weights take torch's sync-free grouped matmul on sm90/sm100: no break there."""
     check(family, "grouped_mm", aux, weights=torch.bfloat16)
+
+
+def test_a_break_leaves_no_pool_of_cached_blocks_behind():
+    """A graph break is a capture that failed inside CUDA; its pool held the warm-ups' cached blocks (an
+    eager step's peak) and, before issue 42, stayed reserved for good: a step with a break reserved
+    about twice eager's memory. After the break, `empty_cache` can hand every wholly free segment of
+    that pool back; only the step's current pool keeps cached blocks."""
+    model = build("mixtral", "eager", aux=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = graphstep.capture(lm_step(model, opt), model=model, optimizer=opt)
+    g = torch.Generator().manual_seed(0)
+    for ids in torch.randint(0, VOCAB, (8, 4, 32), generator=g):
+        step(ids.cuda())
+    assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    current = tuple(step._ctx.backend.pool)
+    stranded = [
+        (tuple(s["segment_pool_id"]), s["total_size"])
+        for s in torch.cuda.memory_snapshot()
+        if tuple(s.get("segment_pool_id", (0, 0))) not in ((0, 0), current) and s["allocated_size"] == 0
+    ]
+    step.close()
+    assert not stranded, f"wholly free segments left in pools no graph uses: {stranded}"

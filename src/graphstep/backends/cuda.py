@@ -233,10 +233,30 @@ class CudaGraphBackend:
     def _abandon_pool(self) -> None:
         """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
         "beginAllocateToPool: already recording"), so later warm-ups and captures use a fresh
-        pool. Graphs captured earlier keep the old one alive for as long as they live."""
-        with contextlib.suppress(Exception):
-            _allocator_calls()[1](self.index, self.pool)
+        pool. Graphs captured earlier keep the old one alive for as long as they live.
+
+        The old pool holds the warm-ups' cached blocks: a whole eager step's peak. A capture that
+        failed inside CUDA (a host sync: every graph break) stopped before the allocator's end of
+        the capture, so its graph keeps its reference to the pool for good (`reset` gives it back
+        only after a capture that ended), and the pool's free blocks could never be handed back:
+        a step with a break held two pools of an eager step's size (issue 42: 2.2× eager's peak).
+        Ending the pool's routing here succeeds exactly then; that graph's reference is dropped too,
+        and the allocator hands back the old pool's free segments (those holding live tensors, an
+        optimizer state made in a warm-up, stay)."""
+        _, end, release = _allocator_calls()
+        old = self.pool
+        try:
+            end(self.index, old)
+        except Exception:  # the capture got past the allocator's end: its graph's reset released it
+            stranded = False
+        else:
+            stranded = True
         self.renew_pool()
+        if stranded:
+            with contextlib.suppress(Exception):
+                release(self.index, old)
+            if not self._graphs_in_pool.get(old):  # nothing uses it: its cached blocks can go
+                torch.cuda.empty_cache()
 
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.
