@@ -251,3 +251,23 @@ def test_an_abandoned_pool_that_earlier_graphs_still_use_is_kept(device):
     assert device.dev.use_count[pool] == 1 and device.state["emptied"] == 0
     first.release()
     assert device.dev.use_count[pool] == 0
+
+
+def test_segments_replay_on_the_path_their_warm_ups_took(backend):
+    """transformers computes differently while a stream captures (explicit masks, no host checks), and
+    graphstep's warm-ups and capture take that path (`libraries.as_captured`): a segment that replays its
+    transformers code must take it too, or its replays compute another function than its warm-ups."""
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    from graphstep.backends import libraries
+
+    recording = capture(backend)
+    assert recording.segment_context is libraries.as_captured
+    seen = []
+
+    class Segment:
+        def run(self) -> None:
+            seen.append(import_utils.is_cuda_stream_capturing())
+
+    recording.parts, recording.segments = [lambda: None, lambda: None], [Segment()]
+    recording.replay((), {})
+    assert seen == [True] and import_utils.is_cuda_stream_capturing() is False

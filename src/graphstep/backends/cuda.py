@@ -208,6 +208,7 @@ class CudaGraphBackend:
                     self.renew_pool()
 
         recording = PartsRecording([graph.replay for graph in graphs], release)
+        recording.segment_context = as_captured  # segments at replay take the path they took in warm-up
         recording.cuda_graphs = graphs
         recording.outputs = outputs
         return recording
