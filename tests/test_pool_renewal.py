@@ -271,3 +271,33 @@ def test_segments_replay_on_the_path_their_warm_ups_took(backend):
     recording.parts, recording.segments = [lambda: None, lambda: None], [Segment()]
     recording.replay((), {})
     assert seen == [True] and import_utils.is_cuda_stream_capturing() is False
+
+
+def test_a_segments_forward_warms_up_outside_the_pool(device):
+    """A replay runs eager segments in the default pool (the pool's free blocks are the graphs' scratch);
+    their warm-ups allocate there too, or the pool keeps blocks only they used, and the segments take as
+    much again at replay. The pool's routing stops around the segment's forward and resumes after it,
+    its count even."""
+    from graphstep.backends import autograd_segments, segments
+
+    seen = {}
+    routed = lambda: device.pool in device.dev.underway  # noqa: E731
+
+    def piece(x):
+        seen["segment"] = routed()
+        return x * 2
+
+    segment = autograd_segments.eager_segment(piece)
+
+    def step(x):
+        seen["before"] = routed()
+        y = segment(x)
+        seen["after"] = routed()
+        return y.sum()
+
+    with segments.watching_warmup(device.outside_pool):
+        device.warmup(step, (torch.ones(2, requires_grad=True),), {})
+    assert seen == {"before": True, "segment": False, "after": True}
+    assert device.dev.use_count[device.pool] == 1 and not routed()
+    with device.outside_pool():  # outside a warm-up in the pool: nothing to stop
+        assert device.dev.use_count[device.pool] == 1

@@ -126,6 +126,10 @@ class Backend(Protocol):
         scratch between its replays must not hold tensors that outlive an eager call."""
         ...
 
+    def outside_pool(self) -> contextlib.AbstractContextManager:
+        """Within a warm-up: allocate as a replay's eager segments do (CUDA: outside the pool)."""
+        ...
+
     def capture(
         self,
         body: CaptureBody,
@@ -168,6 +172,9 @@ class HostBackend:
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
+
+    def outside_pool(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return empty_like_strided(like)
