@@ -187,22 +187,28 @@ def test_grouped_mm_with_bf16_weights_is_captured_whole_on_hopper(family, aux):
 def test_a_break_leaves_no_pool_of_cached_blocks_behind():
     """A graph break is a capture that failed inside CUDA; its pool held the warm-ups' cached blocks (an
     eager step's peak) and, before issue 42, stayed reserved for good: a step with a break reserved
-    about twice eager's memory. After the break, `empty_cache` can hand every wholly free segment of
-    that pool back; only the step's current pool keeps cached blocks."""
+    about twice eager's memory. After the break, every wholly free segment of that pool can go back."""
     model = build("mixtral", "eager", aux=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = graphstep.capture(lm_step(model, opt), model=model, optimizer=opt)
     g = torch.Generator().manual_seed(0)
+    first = None
     for ids in torch.randint(0, VOCAB, (8, 4, 32), generator=g):
         step(ids.cuda())
+        first = first or tuple(step._ctx.backend.pool)  # the warm-ups' pool, abandoned at the break
     assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
+    assert tuple(step._ctx.backend.pool) != first
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    current = tuple(step._ctx.backend.pool)
-    stranded = [
-        (tuple(s["segment_pool_id"]), s["total_size"])
+    torch.cuda.empty_cache()  # a pool no graph holds a reference to gives its free segments back here
+    left = [
+        (s["total_size"], s["allocated_size"])
         for s in torch.cuda.memory_snapshot()
-        if tuple(s.get("segment_pool_id", (0, 0))) not in ((0, 0), current) and s["allocated_size"] == 0
+        if tuple(s.get("segment_pool_id", (0, 0))) == first
     ]
     step.close()
-    assert not stranded, f"wholly free segments left in pools no graph uses: {stranded}"
+    print(
+        f"\nthe abandoned pool keeps {len(left)} segments, {sum(t for t, _ in left) / 2**20:.1f} MiB: {left}"
+    )
+    assert all(allocated > 0 for _, allocated in left), (
+        f"wholly free segments left in the abandoned pool: {left}"
+    )
