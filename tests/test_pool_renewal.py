@@ -5,7 +5,8 @@ torch's pinned-memory allocator (CachingHostAllocator, 2.11 on) counts a pool's 
 that pool fails its internal assert (`use_count > 0`). On two GPUs a rank whose own capture succeeded
 but whose peer's failed released its graph, the pool's last, and captured into the same pool on the
 next call: that assert. Here `torch.cuda.CUDAGraph` is a fake that models the allocator's count and
-raises as torch does, so every path that lets graphs go is checked without a GPU.
+raises as torch does, so every path that lets graphs go is checked without a GPU. Below, the device
+allocator's count: a pool that a capture stopped by a host sync leaves behind is handed back (issue 42).
 """
 
 from __future__ import annotations
@@ -136,3 +137,167 @@ def test_releasing_after_close_makes_no_pool(backend):
     backend.close()
     graph.release()
     assert backend.pool is None
+
+
+# -- the device allocator's count: a pool a failed capture leaves behind is handed back ---------------
+
+
+class DeviceAllocator:
+    """torch's CUDA caching allocator as far as graph pools go: `begin` counts a reference and routes
+    allocations to the pool, `end` stops the routing (raises when none), `release` drops a reference; at
+    zero the pool is freeable and `empty_cache` hands its free segments back."""
+
+    def __init__(self) -> None:
+        self.use_count: dict[tuple[int, int], int] = {}
+        self.underway: set[tuple[int, int]] = set()
+
+    def begin(self, index: int, pool: tuple[int, int]) -> None:
+        if pool in self.underway:
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.use_count[pool] = self.use_count.get(pool, 0) + 1
+        self.underway.add(pool)
+
+    def end(self, index: int, pool: tuple[int, int]) -> None:
+        if pool not in self.underway:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.underway.discard(pool)
+
+    def release(self, index: int, pool: tuple[int, int]) -> None:
+        self.use_count[pool] -= 1
+        assert self.use_count[pool] >= 0, f"INTERNAL ASSERT FAILED: uc >= 0 (pool {pool})"
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """A backend whose graphs count their pool's references as torch 2.11's `CUDAGraph` does: `capture_begin`
+    takes one; `capture_end` stops the routing and marks the capture ended, unless the capture was
+    invalidated (a host sync), where it raises first; `reset` gives the reference back only after an end."""
+    dev = DeviceAllocator()
+    state = {"invalidated": False, "emptied": 0}
+    handles = itertools.count(1)
+
+    class FakeGraph:
+        def __init__(self) -> None:
+            self.pool, self.ended = None, False
+
+        def register_generator_state(self, generator) -> None:
+            pass
+
+        def capture_begin(self, pool, capture_error_mode) -> None:
+            dev.begin(0, pool)
+            self.pool = pool
+
+        def capture_end(self) -> None:
+            if state["invalidated"]:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            dev.end(0, self.pool)
+            self.ended = True
+
+        def replay(self) -> None:
+            pass
+
+        def reset(self) -> None:
+            if self.ended:
+                dev.release(0, self.pool)
+                self.ended = False
+
+    def empty_cache() -> None:
+        state["emptied"] += 1
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(cuda, "_allocator_calls", lambda: (dev.begin, dev.end, dev.release))
+    b = CudaGraphBackend.__new__(CudaGraphBackend)
+    b.index, b.graphs, b.users, b._graphs_in_pool = 0, 0, 0, {}
+    b.pool = b._new_pool()
+    b._on_capture_stream = contextlib.nullcontext
+    b._make_room = lambda: None
+    b._end_generator_capture = lambda generators: None
+    b.dev, b.state = dev, state
+    return b
+
+
+def test_a_capture_a_host_sync_stopped_hands_its_pool_back(device):
+    """A graph break: the capture was invalidated inside CUDA, so its graph never gave its reference back.
+    The abandoned pool must reach zero references (freeable) and the cache be emptied once, or it keeps
+    the warm-ups' cached blocks for good (issue 42: a step with a break reserved 2.2x eager's peak)."""
+    pool = device.pool
+    device.state["invalidated"] = True
+    capture(device, fails=True)
+    device.state["invalidated"] = False
+    assert device.dev.use_count[pool] == 0 and pool not in device.dev.underway
+    assert device.state["emptied"] == 1 and device.pool != pool
+    capture(device)  # the fresh pool works as before
+    assert device.dev.use_count[device.pool] == 2  # the backend's own reference and the graph's
+
+
+def test_a_capture_the_step_stopped_in_python_is_not_released_twice(device):
+    """A failure the step raised while the capture was still valid: `capture_end` succeeded and `reset`
+    gave the graph's reference back; one more release would take the count below zero."""
+    pool = device.pool
+    capture(device, fails=True)
+    assert device.dev.use_count[pool] == 0 and device.state["emptied"] == 0
+
+
+def test_an_abandoned_pool_that_earlier_graphs_still_use_is_kept(device):
+    """A re-capture that failed in a pool where an earlier variant's graph lives: that graph keeps it."""
+    first = capture(device)
+    pool = device.pool
+    device.state["invalidated"] = True
+    capture(device, fails=True)
+    device.state["invalidated"] = False
+    assert device.dev.use_count[pool] == 1 and device.state["emptied"] == 0
+    first.release()
+    assert device.dev.use_count[pool] == 0
+
+
+def test_segments_replay_on_the_path_their_warm_ups_took(backend):
+    """transformers computes differently while a stream captures (explicit masks, no host checks), and
+    graphstep's warm-ups and capture take that path (`libraries.as_captured`): a segment that replays its
+    transformers code must take it too, or its replays compute another function than its warm-ups."""
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    from graphstep.backends import libraries
+
+    recording = capture(backend)
+    assert recording.segment_context is libraries.as_captured
+    seen = []
+
+    class Segment:
+        def run(self) -> None:
+            seen.append(import_utils.is_cuda_stream_capturing())
+
+    recording.parts, recording.segments = [lambda: None, lambda: None], [Segment()]
+    recording.replay((), {})
+    assert seen == [True] and import_utils.is_cuda_stream_capturing() is False
+
+
+def test_a_segments_forward_warms_up_outside_the_pool(device):
+    """A replay runs eager segments in the default pool (the pool's free blocks are the graphs' scratch);
+    their warm-ups allocate there too, or the pool keeps blocks only they used, and the segments take as
+    much again at replay. The pool's routing stops around the segment's forward and resumes after it,
+    its count even."""
+    from graphstep.backends import autograd_segments, segments
+
+    seen = {}
+    routed = lambda: device.pool in device.dev.underway  # noqa: E731
+
+    def piece(x):
+        seen["segment"] = routed()
+        return x * 2
+
+    segment = autograd_segments.eager_segment(piece)
+
+    def step(x):
+        seen["before"] = routed()
+        y = segment(x)
+        seen["after"] = routed()
+        return y.sum()
+
+    with segments.watching_warmup(device.outside_pool):
+        device.warmup(step, (torch.ones(2, requires_grad=True),), {})
+    assert seen == {"before": True, "segment": False, "after": True}
+    assert device.dev.use_count[device.pool] == 1 and not routed()
+    with device.outside_pool():  # outside a warm-up in the pool: nothing to stop
+        assert device.dev.use_count[device.pool] == 1

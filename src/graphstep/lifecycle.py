@@ -259,7 +259,7 @@ class Lifecycle:
             probing = False
         with (
             ranged("graphstep.warmup"),
-            segments.watching_warmup() as watch,
+            segments.watching_warmup(ctx.backend.outside_pool) as watch,
             segments.optimizer_steps_as_segments(ctx.modes.eager, ctx.modes.fresh_grads()),
             ctx.modes.observing(ctx.state.optimizers),
             library_segments.calls_as_segments(ctx.name, capturing=False),

@@ -85,7 +85,8 @@ def _warm_up(
     inputs, _ = sig.flatten((args, kwargs))
     session.passed.update(map(id, inputs))
     first = _next_sequence_number()
-    results = segments.plainly(fn, args, kwargs)
+    with session.outside_pool():  # where its replays allocate: the pool stays the graphs' size
+        results = segments.plainly(fn, args, kwargs)
     tensors, spec = sig.flatten(results)
     move_out = getattr(module.__dict__.get("forward"), "_graphstep_move_out", None) if module else None
     if move_out is not None and move_out(module, spec):  # results no graph can take: moved to its parent

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -54,6 +55,10 @@ class PartsRecording:
         host generators advance as eager's do (see `effects/host_random.py`)."""
         self.ring: Any = None
         """The output ring the last part writes (see `output_ring.py`), or None."""
+        self.segment_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """What the eager segments run under at replay: what the backend's warm-ups and capture ran under
+        (CUDA: `libraries.as_captured`, so that transformers code in a segment takes the path its warm-ups
+        took, the one the graphs around it replay)."""
         self.undo: Callable[[], None] | None = None
         """Takes back the tensor writes of a capture that executed the step (the recording backend),
         should the capture fail after the backend returned (another rank failed, a refused read);
@@ -77,9 +82,10 @@ class PartsRecording:
             for draw in self.host_draws:
                 draw()
             return self.outputs
-        for part, segment in zip(parts, self.segments):
-            part()
-            segment.run()
+        with self.segment_context():
+            for part, segment in zip(parts, self.segments):
+                part()
+                segment.run()
         if self.ring is not None:  # the last part writes the ring (a segment may have raised before)
             self.ring.before_replay()
         parts[-1]()
@@ -118,6 +124,10 @@ class Backend(Protocol):
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         """Run the step eagerly. `in_pool=False` once graphs exist: memory a graph uses as
         scratch between its replays must not hold tensors that outlive an eager call."""
+        ...
+
+    def outside_pool(self) -> contextlib.AbstractContextManager:
+        """Within a warm-up: allocate as a replay's eager segments do (CUDA: outside the pool)."""
         ...
 
     def capture(
@@ -162,6 +172,9 @@ class HostBackend:
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         return fn(*args, **kwargs)
+
+    def outside_pool(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return empty_like_strided(like)

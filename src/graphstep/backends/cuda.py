@@ -26,6 +26,30 @@ def _allocator_calls() -> tuple[Callable, Callable, Callable]:
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
+def _end_routing(index: int, pool: tuple[int, int]) -> bool:
+    """End the allocator's routing to the pool of a capture that failed: True when it was still on,
+    which is when the capture failed inside CUDA (a host sync: every graph break) before the
+    allocator's end of the capture. Then its graph still holds its reference to the pool (`reset`
+    gives it back only after a capture that ended)."""
+    try:
+        _allocator_calls()[1](index, pool)
+    except Exception:  # the capture got past the allocator's end: its graph's reset released it
+        return False
+    return True
+
+
+def _hand_back(index: int, pool: tuple[int, int], *, used: bool) -> None:
+    """Drop the reference a failed capture's graph left on its (abandoned) pool, and hand the pool's
+    free segments back. That pool holds the warm-ups' cached blocks, a whole eager step's peak; kept,
+    a step with a graph break reserved two pools of an eager step's size (issue 42: 2.2x eager's
+    peak). Segments holding live tensors (an optimizer state made in a warm-up) stay; `used`: an
+    earlier graph lives in the pool, which keeps it whole."""
+    with contextlib.suppress(Exception):
+        _allocator_calls()[2](index, pool)
+    if not used:
+        torch.cuda.empty_cache()
+
+
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """The side stream graphstep warms up and captures on, one per CUDA device for the process.
 
@@ -46,6 +70,7 @@ class CudaGraphBackend:
     name = "cuda"
     static_buffers = True
     capture_executes = False
+    _routing = False  # a warm-up's allocations go to the pool now (`_in_pool`)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -102,11 +127,29 @@ class CudaGraphBackend:
         # Route every allocation on this device, the autograd engine's backward thread
         # included, into the pool while the warm-up runs.
         begin(self.index, self.pool)
+        self._routing = True
         try:
             yield
         finally:
+            self._routing = False
             end(self.index, self.pool)
             release(self.index, self.pool)
+
+    @contextlib.contextmanager
+    def outside_pool(self) -> Iterator[None]:
+        """In a warm-up: an eager segment's forward allocates outside the pool, as at replay."""
+        if not self._routing:
+            yield
+            return
+        begin, end, release = _allocator_calls()
+        end(self.index, self.pool)
+        self._routing = False
+        try:
+            yield
+        finally:
+            begin(self.index, self.pool)  # counts a reference to the pool: the release evens it
+            release(self.index, self.pool)
+            self._routing = True
 
     def _make_room(self) -> None:
         """Give the allocator's unused cached blocks back to the driver when the driver has less free.
@@ -190,6 +233,8 @@ class CudaGraphBackend:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        if len(graphs) > 1:  # segments: their warm-ups' blocks (`outside_pool`, the capture stream) are
+            torch.cuda.empty_cache()  # not those they take at replay (the caller's stream): give them back
         pool = self.pool
         self.graphs += 1
         self._graphs_in_pool[pool] = self._graphs_in_pool.get(pool, 0) + 1
@@ -208,6 +253,7 @@ class CudaGraphBackend:
                     self.renew_pool()
 
         recording = PartsRecording([graph.replay for graph in graphs], release)
+        recording.segment_context = as_captured  # segments at replay take the path they took in warm-up
         recording.cuda_graphs = graphs
         recording.outputs = outputs
         return recording
@@ -234,9 +280,10 @@ class CudaGraphBackend:
         """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
         "beginAllocateToPool: already recording"), so later warm-ups and captures use a fresh
         pool. Graphs captured earlier keep the old one alive for as long as they live."""
-        with contextlib.suppress(Exception):
-            _allocator_calls()[1](self.index, self.pool)
+        old, stranded = self.pool, _end_routing(self.index, self.pool)
         self.renew_pool()
+        if stranded:
+            _hand_back(self.index, old, used=bool(self._graphs_in_pool.get(old)))
 
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.

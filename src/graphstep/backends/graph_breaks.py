@@ -36,9 +36,12 @@ log = logging.getLogger("graphstep")
 KNOWN_FUNCTIONS: dict[str, str] = {
     "torch.nn.functional.ctc_loss": "copies the sequence lengths to the host",
     "load_balancing_loss_func": "transformers' MoE auxiliary loss (counts tokens per expert)",
+    "_grouped_mm": "transformers' grouped expert matmul: torch's fallback (not bf16, or no sm90/sm100 kernel) "
+    "reads the expert offsets on the host",
 }
 """Self-contained functions (qualified name, or a bare name for any module defining it) that become a
-break where they fail, rather than the module around them (the whole model, for Mixtral's loss)."""
+break where they fail, rather than the module around them (the whole model, for Mixtral's loss; the
+whole experts module, with its routing, sort and gather, for one grouped matmul)."""
 
 _NOT_RECORDABLE = ("stream is capturing", "StreamCapture", "during CUDA graph capture")
 

@@ -10,9 +10,9 @@ ups run one path and the capture records the other:
   (Llama-125M in the bench's models suite);
 - the warm-up steps compute another function than the replays.
 
-`as_captured()` answers True to transformers' question while graphstep warms up or captures, so
-every call of a captured step runs the path its graph replays, and a compiled model compiles it
-once, in the first warm-up. An eager twin is compared bitwise under the same answer (tests/gpu's
+`as_captured()` answers True to transformers' question while graphstep warms up or captures, and
+while a replay runs the step's eager segments (a graph break's module), so every call of a captured
+step runs the path its graph replays, and a compiled model compiles it once, in the first warm-up. An eager twin is compared bitwise under the same answer (tests/gpu's
 `transformers_capture_path`). A library not imported is left alone; nothing is imported here.
 """
 

@@ -129,10 +129,15 @@ def check_devices(name: str, seen: Seen, splitter: Splitter) -> None:
 class Warmup:
     """Notes each segment's results during a warm-up, in call order, and the tensors handed to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, outside_pool: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.seen: list[Seen] = []
         self.passed: set[int] = set()
         """The ids of the tensors handed to segments (an argument used only there: `loose.py`)."""
+        self.outside_pool = outside_pool
+        """Around a segment's forward: allocate outside the step's pool (the backend's `outside_pool`),
+        as a replay's segments do (the pool's free blocks are the graphs' scratch then). In the pool,
+        what the segment took would stay cached there for good, used by no replay; outside it, the
+        capture hands it back (CUDA: `empty_cache` after a capture with segments)."""
 
 
 class Capture:
@@ -175,9 +180,10 @@ def _activate(session: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def watching_warmup() -> Iterator[Warmup]:
-    """Around a warm-up: note what each segment returns (the next capture hands out such buffers)."""
-    session = Warmup()
+def watching_warmup(outside_pool: Callable[[], Any] = contextlib.nullcontext) -> Iterator[Warmup]:
+    """Around a warm-up: note what each segment returns (the next capture hands out such buffers).
+    `outside_pool`: the backend's, for the segments' forwards."""
+    session = Warmup(outside_pool)
     with _activate(session):
         yield session
 

@@ -7,6 +7,8 @@
 | bert_base | transformers BERT-base, masked LM | 16 × 128 | AdamW + linear warm-up, clip 1.0 |
 | llama_125m | transformers Llama, 12 × 768, 127M | 4 × 1024 | AdamW + cosine with warm-up, clip 1.0 |
 | mixtral_moe | transformers Mixtral, 4 × 256, 8 experts (top 2), `"eager"` experts + auxiliary loss | 8 × 128 | AdamW + cosine with warm-up, clip 1.0 |
+| mixtral_moe_grouped_mm | the same, `"grouped_mm"` experts | 8 × 128 | AdamW + cosine with warm-up, clip 1.0 |
+| mixtral_moe_batched_mm | the same, `"batched_mm"` experts | 8 × 128 | AdamW + cosine with warm-up, clip 1.0 |
 | ppo_mlp | 3-layer MLP policy + value net | 4 minibatches × 512 per call | Adam + linear decay, clip 0.5 |
 | gcn | torch_geometric 2-layer GCN, 20k nodes | full graph | Adam |
 
@@ -212,9 +214,13 @@ def _causal_lm(ctx: BuildContext, transformers: Any, model_class: Any, cfg: Any,
     )  # fmt: skip
 
 
-def mixtral_moe(ctx: BuildContext) -> Workload:
-    """A mixture of experts that no graph can hold whole: transformers' `"eager"` experts dispatch tokens
-    with `nonzero`, the auxiliary loss counts them with `bincount`: graphstep breaks its graphs there."""
+def mixtral_moe(ctx: BuildContext, experts: str = "eager") -> Workload:
+    """A mixture of experts in one of transformers' experts backends, with the auxiliary loss. Where a
+    capture stops on CUDA (benchmarks/results/cpu_2026-11-27_moe-break-causes.md): `"eager"` experts
+    dispatch tokens with `nonzero` (the experts module breaks); `"grouped_mm"` with these float32 weights
+    takes torch's grouped-matmul fallback, which reads the offsets on the host (`_grouped_mm` breaks);
+    `"batched_mm"` nowhere. The auxiliary loss: nowhere with `histc` (transformers 5.24), one break
+    with `bincount` (5.17)."""
     transformers = need("transformers")
     shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
@@ -227,10 +233,18 @@ def mixtral_moe(ctx: BuildContext) -> Workload:
         batch, seq = 2, 16
     cfg = transformers.MixtralConfig(
         **shape, use_cache=False, output_router_logits=True, router_aux_loss_coef=0.02,
-        experts_implementation="eager",
+        experts_implementation=experts,
     )  # fmt: skip
     return _causal_lm(ctx, transformers, transformers.MixtralForCausalLM, cfg, batch, seq,
-                      dict(batch=f"{batch}×{seq} tokens", shape=shape, experts="eager", aux_loss=0.02))  # fmt: skip
+                      dict(batch=f"{batch}×{seq} tokens", shape=shape, experts=experts, aux_loss=0.02))  # fmt: skip
+
+
+def mixtral_moe_grouped_mm(ctx: BuildContext) -> Workload:
+    return mixtral_moe(ctx, experts="grouped_mm")
+
+
+def mixtral_moe_batched_mm(ctx: BuildContext) -> Workload:
+    return mixtral_moe(ctx, experts="batched_mm")
 
 
 # ---------------------------------------------------------------- reinforcement learning
@@ -378,6 +392,12 @@ MODEL_CONFIGS = {
                     build=llama_125m, packages=("transformers",)),
         BenchConfig(name="mixtral_moe", label="Mixtral-style MoE (transformers, eager experts + aux loss)",
                     build=mixtral_moe, packages=("transformers",)),
+        BenchConfig(name="mixtral_moe_grouped_mm",
+                    label="Mixtral-style MoE (transformers, grouped_mm experts + aux loss)",
+                    build=mixtral_moe_grouped_mm, packages=("transformers",)),
+        BenchConfig(name="mixtral_moe_batched_mm",
+                    label="Mixtral-style MoE (transformers, batched_mm experts + aux loss)",
+                    build=mixtral_moe_batched_mm, packages=("transformers",)),
         BenchConfig(name="ppo_mlp", label="PPO update, MLP policy + value (4 minibatches × 512)", build=ppo_mlp),
         BenchConfig(name="gcn", label="GCN, 2 layers (torch_geometric, 20k nodes)", build=gcn,
                     packages=("torch_geometric",)),

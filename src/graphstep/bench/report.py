@@ -118,14 +118,20 @@ def _gs(r: dict[str, Any]) -> str:
     text = f"{g.get('captures')} / {g.get('variants')} / {g.get('replays')}"
     if g.get("eager_calls"):
         text += f", {g['eager_calls']} eager"
-    return text + (f", {host:.0f} µs" if host is not None else "")
+    text += f", {host:.0f} µs" if host is not None else ""
+    if g.get("graph_breaks"):  # what the breaks cost the host: their segments' eager time per call
+        segments = g.get("segments_host_ms")
+        text += f"; {g['graph_breaks']} breaks" + (
+            f", segments {segments:.2f} ms" if segments is not None else ""
+        )
+    return text
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| config | method | step ms | pipelined ms | kernel ms | pipelined / kernel | × graphstep | host µs/call "
         "pipelined | host µs/call in bursts | peak reserved GiB | to steady state s "
-        "| graphstep captures / variants / replays, host µs/replay | note |",
+        "| graphstep captures / variants / replays, host µs/replay; breaks, segments' host ms/call | note |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
