@@ -152,6 +152,15 @@ def check(family: str, implementation: str, aux: bool, weights: torch.dtype = to
     data = [ids.cuda() for ids in torch.randint(0, VOCAB, (calls, 4, 32), generator=g)]
     step = graphstep.capture(lm_step(model, opts[0]), model=model, optimizer=opts[0])
     eager = lm_step(twin, opts[1])
+    if family == "gpt_oss":
+        # On CUDA its capture stops outside the experts too (in the model's sliding-window mask), so
+        # the break moves out to the whole model, whose output holds a DynamicCache: refused, clearly
+        # (seen on an H100 with transformers 5.17 and 5.24, every backend). A known limit.
+        with pytest.raises(graphstep.GraphStepError, match="returns a DynamicCache"), deterministic():
+            for ids in data:
+                step(ids)
+        step.close()
+        return
     with deterministic():
         with transformers_capture_path():  # the eager twin takes the path a capture takes
             want, eager_peak = peak_of(lambda: [eager(ids) for ids in data])
