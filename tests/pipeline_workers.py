@@ -22,12 +22,33 @@ def _stage_module(index: int, device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()).to(device)
 
 
-def _build(schedule: str, rank: int, size: int, device, micro: int):
+def _wrap(module: torch.nn.Module, dp: str | None, mesh, device) -> torch.nn.Module:
+    if dp == "ddp":
+        kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        if device.type == "cuda":
+            stream = graphstep.capture_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                wrapped = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group(), **kwargs)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            return wrapped
+        return torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
+    if dp == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(module, mesh=mesh["dp"])
+    return module
+
+
+def _build(schedule: str, rank: int, size: int, device, micro: int, dp: str | None = None, mesh=None):
+    group = None
+    if mesh is not None:
+        group, rank, size = mesh["pp"].get_group(), mesh["pp"].get_local_rank(), mesh["pp"].size()
     per_rank = 2 if schedule == "interleaved" else 1
     n_stages = size * per_rank
     indices = [rank + k * size for k in range(per_rank)]
-    mods = [_stage_module(i, device) for i in indices]
-    stages = [PipelineStage(m, i, n_stages, device) for m, i in zip(mods, indices)]
+    mods = [_wrap(_stage_module(i, device), dp, mesh, device) for i in indices]
+    stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(mods, indices)]
     loss_fn = torch.nn.functional.mse_loss
     if schedule == "gpipe":
         sched = ScheduleGPipe(stages[0], micro, loss_fn=loss_fn)
@@ -60,18 +81,25 @@ def _step_fn(sched, opt, first, last, device):
     return step
 
 
-def _data(n: int, device, batch: int = 8):
-    g = torch.Generator().manual_seed(0)
+def _data(n: int, device, batch: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, WIDTH, generator=g).to(device), torch.randn(batch, WIDTH, generator=g).to(device)) for _ in range(n)]
 
 
-def train_pipeline(rank: int, size: int, *, schedule: str, steps: int = 8, micro: int = 4, graphs: str = "auto") -> dict:
+def train_pipeline(
+    rank: int, size: int, *, schedule: str, steps: int = 8, micro: int = 4, graphs: str = "auto", dp: str | None = None
+) -> dict:
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
-    data = _data(steps, device)
+    mesh = None
+    if dp is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (2, size // 2), mesh_dim_names=("dp", "pp"))
+    data = _data(steps, device, seed=0 if mesh is None else mesh["dp"].get_local_rank())
     runs = []
     for graphed in (False, True):
-        mods, sched, opt, first, last = _build(schedule, rank, size, device, micro)
+        mods, sched, opt, first, last = _build(schedule, rank, size, device, micro, dp, mesh)
         step = _step_fn(sched, opt, first, last, device)
         if graphed:
             step = graphstep.capture(step, model=mods, optimizer=opt, config=graphstep.Config(backend=graphs))
