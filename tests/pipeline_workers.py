@@ -115,3 +115,31 @@ def train_pipeline(
     }
     step.close()
     return report
+
+
+def outer_losses_list(rank: int, size: int, *, steps: int = 5) -> dict:
+    """The schedule fills a `losses` list the caller made outside the step: refused at capture (a replay
+    would leave the capture's tensors in it), every rank told in the same call."""
+    device = _device(rank)
+    mods, sched, opt, first, last = _build("gpipe", rank, size, device, 4)
+    kept: list = []
+
+    def step(x, y):
+        if first:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=kept)
+        opt.step()
+        opt.zero_grad()
+
+    captured = graphstep.capture(step, model=mods, optimizer=opt, config=graphstep.Config(backend="recording"))
+    report: dict = {"error": None, "message": "", "call": None}
+    for i, (x, y) in enumerate(_data(steps, device)):
+        try:
+            captured(x, y)
+        except Exception as exc:
+            report.update(error=type(exc).__name__, message=str(exc), call=i)
+            break
+    report["stats"] = dataclasses.asdict(captured.stats)
+    captured.close()
+    return report
