@@ -1,0 +1,97 @@
+"""Pipeline parallelism (`torch.distributed.pipelining`) captured whole, on CPU over gloo.
+
+Each rank's step runs its stage(s) through a schedule's `step()` (micro-batches, sends and receives
+between stages, the loss collected on the last stage) and the optimizer; graphstep captures it on every
+rank. Plain pipelines run on the recording backend (the CPU stand-in for a graph: a replay re-runs the
+recorded operations, the waits on sends and receives in their place); the 2 x 2 mesh with FSDP2 on each
+stage on the eager backend, as the other FSDP2 tests on CPU. Every result is compared bitwise with the
+same schedule run eagerly in the same processes. tests/gpu/test_pipelining_gpu.py runs the same workers
+on GPUs with NCCL and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+import graphstep
+from graphstep.distributed import p2p
+from pipeline_workers import outer_losses_list, train_pipeline
+from ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_a_pipelined_step_is_captured_whole_and_equals_the_eager_schedule(schedule):
+    """GPipe and 1F1B: one stage per rank; interleaved 1F1B: four stages over two ranks."""
+    reports = run_ranks(train_pipeline, 2, schedule=schedule, steps=6, graphs="recording")
+    warmups = graphstep.Config().warmup_steps
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "recording"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["warmup_calls"] == warmups and stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["replays"] == 6 - warmups - 1, f"rank {rank}: {stats}"
+
+
+def test_two_stages_times_two_way_fsdp_on_four_ranks():
+    """Each stage sharded by FSDP2 over its data-parallel pair: the stages' all-gathers and
+    reduce-scatters differ and interleave with the sends and receives, so ranks stop voting collective
+    by collective at the first send (a vote would wait for a peer that waits in a receive)."""
+    reports = run_ranks(train_pipeline, 4, schedule="1f1b", steps=5, graphs="eager", dp="fsdp", timeout=120)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1, f"rank {rank}: {report}"
+
+
+def test_a_losses_list_made_outside_the_step_is_refused_on_every_rank():
+    rank0, rank1 = run_ranks(outer_losses_list, 2)
+    warmups = graphstep.Config().warmup_steps
+    assert rank1["error"] == "PythonWriteError" and rank1["call"] == warmups, rank1
+    assert "losses=kept" in rank1["message"] and "Make the list inside the step" in rank1["message"]
+    assert rank0["error"] == "CaptureError" and rank0["call"] == warmups, rank0
+    assert "failed on rank 1" in rank0["message"]
+    assert rank0["stats"]["captures"] == rank1["stats"]["captures"] == 0
+
+
+# -- the end-of-call comparison of a pipelined step's communication (no processes) ---------------
+
+
+def _summary(rank: int, sends: dict, recvs: dict, groups: dict) -> str:
+    log = p2p.CommLog(rank)
+    for peer, shapes in sends.items():
+        log._sequences[f"{rank}>{peer}"] = shapes
+    for peer, shapes in recvs.items():
+        log._sequences[f"{peer}>{rank}"] = shapes
+    for group, keys in groups.items():
+        log._sequences[f"group {group}"] = keys
+    return log.summary()
+
+
+def test_matching_sends_receives_and_group_collectives_pass():
+    texts = [
+        _summary(0, {1: ["float32[2, 16]"] * 4}, {1: ["float32[2, 16]"] * 4}, {"0,2": ["ag", "rs"]}),
+        _summary(1, {0: ["float32[2, 16]"] * 4}, {0: ["float32[2, 16]"] * 4}, {"1,3": ["ag"]}),
+        _summary(2, {}, {}, {"0,2": ["ag", "rs"]}),
+        _summary(3, {}, {}, {"1,3": ["ag"]}),
+    ]
+    assert p2p.mismatch(texts) is None
+
+
+def test_a_receive_unlike_its_send_is_named_by_pair():
+    texts = [
+        _summary(0, {1: ["float32[2, 16]"] * 4}, {}, {}),
+        _summary(1, {}, {0: ["float32[2, 16]"] * 3 + ["float32[2, 8]"]}, {}),
+    ]
+    found = p2p.mismatch(texts)
+    assert found is not None and "rank 0 sent to rank 1" in found and "4 tensors" in found, found
+
+
+def test_a_group_member_with_other_collectives_is_named():
+    texts = [_summary(0, {}, {}, {"0,1": ["ag", "rs"]}), _summary(1, {}, {}, {"0,1": ["ag"]})]
+    found = p2p.mismatch(texts)
+    assert found is not None and "group 0,1" in found and "rank 1: 1 collectives" in found, found
+    assert json.loads(texts[0])["group 0,1"][0] == 2
