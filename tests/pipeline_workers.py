@@ -37,6 +37,10 @@ def _wrap(module: torch.nn.Module, dp: str | None, mesh, device) -> torch.nn.Mod
         from torch.distributed.fsdp import fully_shard
 
         return fully_shard(module, mesh=mesh["dp"])
+    if dp == "replicate":  # DDP's semantics on FSDP2's machinery: what torchtitan pairs with pipelining
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(module, mesh=mesh["dp"])
     return module
 
 
@@ -108,7 +112,11 @@ def train_pipeline(
     (em, el, _), (gm, gl, step) = runs
     report = {
         "losses_equal": all(torch.equal(a, b) for a, b in zip(el, gl, strict=True)),
-        "params_equal": all(torch.equal(a, b) for ma, mb in zip(em, gm) for a, b in zip(ma.parameters(), mb.parameters(), strict=True)),
+        "params_equal": all(
+            torch.equal(_local(a), _local(b))
+            for ma, mb in zip(em, gm)
+            for a, b in zip(ma.parameters(), mb.parameters(), strict=True)
+        ),
         "stats": dataclasses.asdict(step.stats),
         "backend": step.backend_name,
         "losses": [float(l) for l in gl],
@@ -143,3 +151,74 @@ def outer_losses_list(rank: int, size: int, *, steps: int = 5) -> dict:
     report["stats"] = dataclasses.asdict(captured.stats)
     captured.close()
     return report
+
+
+def train_gpt_pipeline(
+    rank: int,
+    size: int,
+    *,
+    schedule: str,
+    steps: int = 8,
+    micro: int = 4,
+    graphs: str = "auto",
+    dp: str | None = None,
+    amp: bool = False,
+) -> dict:
+    """The demo GPT split into stages (graphstep.bench.pipeline, as the benchmark runs it), eager and
+    through graphstep, compared bitwise. `dp`: FSDP2 ("fsdp") or replicate on each stage over a 2-D
+    (dp, pp) mesh of `size` ranks."""
+    from graphstep.bench.pipeline import pipelined_gpt
+    from graphstep.demo.gpt import GPT, GPTConfig, make_batches
+
+    cfg = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=2, n_embd=32)
+    device = _device(rank)
+    torch.use_deterministic_algorithms(True)
+    mesh, group, pp_rank, pp_size, seed = None, None, rank, size, 0
+    if dp is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (2, size // 2), mesh_dim_names=("dp", "pp"))
+        group, pp_rank, pp_size = mesh["pp"].get_group(), mesh["pp"].get_local_rank(), mesh["pp"].size()
+        seed = mesh["dp"].get_local_rank()
+    data = make_batches(cfg, batch_size=8, n_batches=steps, seed=seed, device=device.type)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    runs = []
+    for graphed in (False, True):
+        part = pipelined_gpt(
+            base,
+            schedule,
+            pp_rank,
+            pp_size,
+            device,
+            micro_batches=micro,
+            group=group,
+            wrap=(lambda m: _wrap(m, dp, mesh, device)) if dp is not None else None,
+            amp=amp,
+            # SGD on CPU: AdamW's step reads the host there, which the recording backend refuses
+            optimizer=(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if device.type == "cpu" else None,
+        )
+        graphstep.optim.make_capturable(part.optimizer, device.type)
+        step = part.step
+        if graphed:
+            config = graphstep.Config(backend=graphs)
+            step = graphstep.capture(step, model=part.modules, optimizer=part.optimizer, config=config)
+        losses = [step(x, y) for x, y in data]
+        runs.append((part.modules, losses, step))
+    (em, el, _), (gm, gl, step) = runs
+    report = {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(el, gl, strict=True)),
+        "params_equal": all(
+            torch.equal(_local(a), _local(b))
+            for ma, mb in zip(em, gm)
+            for a, b in zip(ma.parameters(), mb.parameters(), strict=True)
+        ),
+        "stats": dataclasses.asdict(step.stats),
+        "backend": step.backend_name,
+    }
+    step.close()
+    return report
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
