@@ -104,6 +104,7 @@ def train_pipeline(
     runs = []
     for graphed in (False, True):
         mods, sched, opt, first, last = _build(schedule, rank, size, device, micro, dp, mesh)
+        graphstep.optim.make_capturable(opt, device.type)  # what graphstep does to its own
         step = _step_fn(sched, opt, first, last, device)
         if graphed:
             step = graphstep.capture(step, model=mods, optimizer=opt, config=graphstep.Config(backend=graphs))
@@ -125,7 +126,7 @@ def train_pipeline(
     return report
 
 
-def outer_losses_list(rank: int, size: int, *, steps: int = 5) -> dict:
+def outer_losses_list(rank: int, size: int, *, steps: int = 5, graphs: str = "recording") -> dict:
     """The schedule fills a `losses` list the caller made outside the step: refused at capture (a replay
     would leave the capture's tensors in it), every rank told in the same call."""
     device = _device(rank)
@@ -140,7 +141,7 @@ def outer_losses_list(rank: int, size: int, *, steps: int = 5) -> dict:
         opt.step()
         opt.zero_grad()
 
-    captured = graphstep.capture(step, model=mods, optimizer=opt, config=graphstep.Config(backend="recording"))
+    captured = graphstep.capture(step, model=mods, optimizer=opt, config=graphstep.Config(backend=graphs))
     report: dict = {"error": None, "message": "", "call": None}
     for i, (x, y) in enumerate(_data(steps, device)):
         try:

@@ -1,0 +1,81 @@
+"""Pipeline parallelism captured whole on two and four GPUs: NCCL sends and receives inside CUDA graphs.
+
+Each test starts one process per GPU (tests/ranks.py) with a time limit. Every rank captures its
+stage(s) of a `torch.distributed.pipelining` schedule's `step()` and the optimizer as one graph and is
+compared bitwise, losses and parameters, with the same schedule run eagerly in the same processes, in
+deterministic mode (CUBLAS_WORKSPACE_CONFIG from tests/gpu/conftest.py). The first send or receive
+between two ranks makes NCCL's communicators for them: that happens in the warm-ups, never in the
+capture. Tests needing more GPUs than the machine has are skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphstep
+from pipeline_workers import outer_losses_list, train_gpt_pipeline, train_pipeline
+from ranks import run_ranks
+
+GPUS = torch.cuda.device_count()
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.multigpu,
+    pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs"),
+]
+FOUR = pytest.mark.skipif(GPUS < 4, reason="needs four CUDA GPUs")
+TIMEOUT = 300
+STEPS = 20
+
+
+def nccl(worker, world: int, **kwargs):
+    return run_ranks(worker, world, backend="nccl", timeout=TIMEOUT, **kwargs)
+
+
+def _check(reports: list, world: int, steps: int = STEPS) -> None:
+    assert len(reports) == world
+    for rank, report in enumerate(reports):
+        assert report["backend"] == "cuda", f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        stats = report["stats"]
+        assert stats["captures"] == 1, f"rank {rank}: {stats}"
+        assert stats["replays"] == steps - stats["warmup_calls"], f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize(
+    "world", [pytest.param(2, id="2gpu"), pytest.param(4, id="4gpu", marks=FOUR)]
+)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipelined_mlp_bitwise_equal_to_the_eager_schedule(schedule, world):
+    """One stage per GPU (GPipe, 1F1B), two per GPU (interleaved 1F1B: 4 or 8 stages)."""
+    _check(nccl(train_pipeline, world, schedule=schedule, steps=STEPS, graphs="cuda"), world)
+
+
+@pytest.mark.parametrize(
+    "world", [pytest.param(2, id="2gpu"), pytest.param(4, id="4gpu", marks=FOUR)]
+)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipelined_gpt_bitwise_equal_to_the_eager_schedule(schedule, world):
+    """The demo GPT split into stages as the benchmark runs it, AdamW, bf16 autocast."""
+    reports = nccl(train_gpt_pipeline, world, schedule=schedule, steps=STEPS, graphs="cuda", amp=True)
+    _check(reports, world)
+
+
+@FOUR
+@pytest.mark.parametrize("dp", ["fsdp", "replicate"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_times_two_way_data_parallel(schedule, dp):
+    """A (dp=2, pp=2) DeviceMesh: each stage sharded by FSDP2 or replicated (replicate, DDP's semantics
+    on FSDP2's machinery, as torchtitan pairs with pipelining) over its data-parallel pair. The stages'
+    collectives differ and interleave with the sends and receives: the ranks stop voting collective by
+    collective at the first send and compare per group and per pair at the end of each call."""
+    reports = nccl(train_gpt_pipeline, 4, schedule=schedule, steps=STEPS, graphs="cuda", dp=dp)
+    _check(reports, 4)
+
+
+def test_a_losses_list_made_outside_the_step_is_refused_on_both_ranks():
+    rank0, rank1 = nccl(outer_losses_list, 2, graphs="cuda")
+    warmups = graphstep.Config().warmup_steps
+    assert rank1["error"] == "PythonWriteError" and rank1["call"] == warmups, rank1
+    assert "Make the list inside the step" in rank1["message"], rank1
+    assert rank0["error"] == "CaptureError" and "failed on rank 1" in rank0["message"], rank0
