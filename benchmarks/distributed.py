@@ -2,6 +2,12 @@
 mesh (`fsdp_tp`: 2-way tensor parallel, the rest data parallel): eager, a hand-written whole-step
 `torch.cuda.graph`, and graphstep, side by side on the same GPUs in one run.
 
+Pipeline parallelism (`pp_gpipe`, `pp_1f1b`, `pp_interleaved`: the GPT split into one stage per GPU, two
+for the interleaved schedule, `torch.distributed.pipelining`, fp32): the eager schedule, graphstep
+capturing each rank's whole step (schedule, sends and receives, optimizer), and the per-layer approach
+(each stage's forward and backward graphed by `torch.cuda.make_graphed_callables`, one pair per
+micro-batch, the schedule and optimizer eager: graphstep.bench.pipeline).
+
 Also times the vote graphstep holds before every call of a distributed step (`Ranks.agree`:
 shared memory on one host). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
 Run: `torchrun --nproc_per_node N benchmarks/distributed.py [--steps 100] [--kinds ddp,fsdp_tp] [--out DIR]`
@@ -24,12 +30,15 @@ import torch.distributed as dist
 
 import graphstep
 from graphstep.bench.parallel import KINDS, KINDS_2D, mesh_2d, parallelize, parallelize_2d
+from graphstep.bench.pipeline import per_stage_graphs, pipelined_gpt
 from graphstep.bench.runner import ManualGraphStep, gpu_slug
 from graphstep.demo.gpt import GPT, TINY, make_batches
 from graphstep.demo.train import StepFn, make_train_step
 from graphstep.distributed.ranks import DDP_WARMUP_STEPS, Phase, Ranks
 
 BATCH = 16
+PIPELINES = ("pp_gpipe", "pp_1f1b", "pp_interleaved")
+MICRO_BATCHES = 4
 
 
 def training(kind: str, base: GPT, device: torch.device, mesh: object = None) -> StepFn:
@@ -55,6 +64,46 @@ def ms_per_step(run, data: list, warmup: int) -> float:
     return (time.perf_counter() - start) * 1e3 / (len(data) - warmup)
 
 
+def pipeline_row(kind: str, base: GPT, device: torch.device, data: list, warmup: int) -> dict:
+    """One pipeline row: the eager schedule, graphstep's whole step, the per-stage graphs (and, where
+    torch.cuda.graph takes the whole pipelined step by hand, that too)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    schedule = kind.removeprefix("pp_")
+
+    def part(graphed_stages=None):
+        made = pipelined_gpt(
+            base, schedule, rank, size, device, micro_batches=MICRO_BATCHES, graphed_stages=graphed_stages
+        )
+        graphstep.optim.make_capturable(made.optimizer, device)
+        return made
+
+    eager = ms_per_step(part().step, data, warmup)
+    made = part()
+    step = graphstep.capture(made.step, model=made.modules, optimizer=made.optimizer)
+    captured = ms_per_step(step, data, warmup)
+    step.close()
+    graphs = per_stage_graphs(BATCH // MICRO_BATCHES, TINY.seq_len, TINY.n_embd, MICRO_BATCHES, device)
+    per_stage = ms_per_step(part(graphs).step, data, warmup)
+    hand = None
+    try:  # a hand-written torch.cuda.graph around the same step: the floor graphstep aims at
+        manual = ManualGraphStep(part().step, warmup=3)
+        hand = ms_per_step(manual, data, warmup)
+        manual.close()
+    except Exception as exc:
+        if rank == 0:
+            print(f"{kind}: the hand-written graph failed: {exc!r}"[:300], flush=True)
+    return {
+        "parallelism": kind,
+        "eager_ms": round(eager, 3),
+        "hand_written_graph_ms": None if hand is None else round(hand, 3),
+        "graphstep_ms": round(captured, 3),
+        "per_stage_graphs_ms": round(per_stage, 3),
+        "speedup_vs_eager": round(eager / captured, 2),
+        "graphstep_vs_hand_written": None if hand is None else round(captured / hand, 3),
+        "speedup_vs_per_stage_graphs": round(per_stage / captured, 2),
+    }
+
+
 def vote_us(method: str, n: int = 2000) -> float:
     """Median host time of the vote, through shared memory ("shm") or a gloo all-reduce ("gloo")."""
     os.environ["GRAPHSTEP_VOTE"] = "gloo" if method == "gloo" else ""
@@ -70,7 +119,7 @@ def vote_us(method: str, n: int = 2000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--kinds", default=",".join(KINDS + KINDS_2D))
+    parser.add_argument("--kinds", default=",".join(KINDS + KINDS_2D + PIPELINES))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     dist.init_process_group("nccl")
@@ -85,6 +134,14 @@ def main() -> None:
         if kind == "tp" and TINY.n_head % size:
             if rank == 0:
                 print(f"tp skipped: {TINY.n_head} heads do not split over {size} ranks", flush=True)
+            continue
+        if (
+            kind in PIPELINES
+        ):  # every stage reads the same batches (the first the tokens, the last the targets)
+            data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=0, device="cuda")
+            rows.append(pipeline_row(kind, base, device, data, warmup))
+            if rank == 0:
+                print(rows[-1], flush=True)
             continue
         mesh = mesh_2d("cuda") if kind in KINDS_2D else None
         # Tensor-parallel ranks share batches; on the 2-D mesh, ranks of one data-parallel index do.
@@ -126,7 +183,10 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
             f"clip_grad_norm_; ms/step = wall time of {args.steps} steps after {DDP_WARMUP_STEPS + 5} "
             "warm-up steps, synchronised before and after; DDP built on a side stream; tp: qkv/fc "
             "column-wise, proj/fc_out row-wise, the rest replicated DTensors; fsdp_tp: a (gpus/2, 2) "
-            "mesh, tp within pairs of neighbouring ranks, FSDP2 (reshard after forward) across them"
+            "mesh, tp within pairs of neighbouring ranks, FSDP2 (reshard after forward) across them; "
+            f"pp_*: the GPT in fp32 split into one stage per GPU (two for interleaved 1F1B), "
+            f"{MICRO_BATCHES} micro-batches, AdamW, no clipping; per-stage graphs: "
+            "torch.cuda.make_graphed_callables of each stage, one per micro-batch, schedule and optimizer eager"
         ),
         "rows": rows,
         "vote_us_median": {method: round(us, 1) for method, us in vote.items()},
@@ -140,12 +200,14 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
         "",
         result["config"],
         "",
-        "| parallelism | eager ms | hand-written graph ms | graphstep ms | speed-up vs eager | graphstep / hand-written |",
-        "|---|---|---|---|---|---|",
+        "| parallelism | eager ms | hand-written graph ms | per-stage graphs ms | graphstep ms | speed-up vs eager "
+        "| graphstep / hand-written |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['parallelism']} | {r['eager_ms']} | {r['hand_written_graph_ms']} | {r['graphstep_ms']} | "
-        f"{r['speedup_vs_eager']}x | {r['graphstep_vs_hand_written']} |"
+        f"| {r['parallelism']} | {r['eager_ms']} | {_shown(r['hand_written_graph_ms'])} | "
+        f"{_shown(r.get('per_stage_graphs_ms'))} | {r['graphstep_ms']} | {r['speedup_vs_eager']}x | "
+        f"{_shown(r['graphstep_vs_hand_written'])} |"
         for r in rows
     ]
     lines += [
@@ -155,6 +217,10 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
     ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md", flush=True)
+
+
+def _shown(value: object) -> str:
+    return "—" if value is None else str(value)
 
 
 if __name__ == "__main__":

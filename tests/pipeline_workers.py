@@ -29,7 +29,9 @@ def _wrap(module: torch.nn.Module, dp: str | None, mesh, device) -> torch.nn.Mod
             stream = graphstep.capture_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                wrapped = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group(), **kwargs)
+                wrapped = torch.nn.parallel.DistributedDataParallel(
+                    module, process_group=mesh["dp"].get_group(), **kwargs
+                )
             torch.cuda.current_stream(device).wait_stream(stream)
             return wrapped
         return torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
@@ -87,11 +89,21 @@ def _step_fn(sched, opt, first, last, device):
 
 def _data(n: int, device, batch: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, WIDTH, generator=g).to(device), torch.randn(batch, WIDTH, generator=g).to(device)) for _ in range(n)]
+    return [
+        (torch.randn(batch, WIDTH, generator=g).to(device), torch.randn(batch, WIDTH, generator=g).to(device))
+        for _ in range(n)
+    ]
 
 
 def train_pipeline(
-    rank: int, size: int, *, schedule: str, steps: int = 8, micro: int = 4, graphs: str = "auto", dp: str | None = None
+    rank: int,
+    size: int,
+    *,
+    schedule: str,
+    steps: int = 8,
+    micro: int = 4,
+    graphs: str = "auto",
+    dp: str | None = None,
 ) -> dict:
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
@@ -120,7 +132,6 @@ def train_pipeline(
         ),
         "stats": dataclasses.asdict(step.stats),
         "backend": step.backend_name,
-        "losses": [float(l) for l in gl],
     }
     step.close()
     return report
@@ -130,7 +141,7 @@ def outer_losses_list(rank: int, size: int, *, steps: int = 5, graphs: str = "re
     """The schedule fills a `losses` list the caller made outside the step: refused at capture (a replay
     would leave the capture's tensors in it), every rank told in the same call."""
     device = _device(rank)
-    mods, sched, opt, first, last = _build("gpipe", rank, size, device, 4)
+    mods, sched, opt, first, _ = _build("gpipe", rank, size, device, 4)
     kept: list = []
 
     def step(x, y):
@@ -197,7 +208,9 @@ def train_gpt_pipeline(
             wrap=(lambda m: _wrap(m, dp, mesh, device)) if dp is not None else None,
             amp=amp,
             # SGD on CPU: AdamW's step reads the host there, which the recording backend refuses
-            optimizer=(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if device.type == "cpu" else None,
+            optimizer=(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+            if device.type == "cpu"
+            else None,
         )
         graphstep.optim.make_capturable(part.optimizer, device.type)
         step = part.step

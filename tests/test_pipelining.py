@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 
 @pytest.mark.parametrize(
-    ("schedule", "model"), [("gpipe", "mlp"), ("1f1b", "gpt"), ("interleaved", "mlp")], ids=["gpipe", "1f1b", "interleaved"]
+    ("schedule", "model"),
+    [("gpipe", "mlp"), ("1f1b", "gpt"), ("interleaved", "mlp")],
+    ids=["gpipe", "1f1b", "interleaved"],
 )
 def test_a_pipelined_step_is_captured_whole_and_equals_the_eager_schedule(schedule, model):
     """GPipe and 1F1B: one stage per rank; interleaved 1F1B: four stages over two ranks. 1F1B runs the

@@ -42,18 +42,14 @@ def _check(reports: list, world: int, steps: int = STEPS) -> None:
         assert stats["replays"] == steps - stats["warmup_calls"], f"rank {rank}: {stats}"
 
 
-@pytest.mark.parametrize(
-    "world", [pytest.param(2, id="2gpu"), pytest.param(4, id="4gpu", marks=FOUR)]
-)
+@pytest.mark.parametrize("world", [pytest.param(2, id="2gpu"), pytest.param(4, id="4gpu", marks=FOUR)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_pipelined_mlp_bitwise_equal_to_the_eager_schedule(schedule, world):
     """One stage per GPU (GPipe, 1F1B), two per GPU (interleaved 1F1B: 4 or 8 stages)."""
     _check(nccl(train_pipeline, world, schedule=schedule, steps=STEPS, graphs="cuda"), world)
 
 
-@pytest.mark.parametrize(
-    "world", [pytest.param(2, id="2gpu"), pytest.param(4, id="4gpu", marks=FOUR)]
-)
+@pytest.mark.parametrize("world", [pytest.param(2, id="2gpu"), pytest.param(4, id="4gpu", marks=FOUR)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_pipelined_gpt_bitwise_equal_to_the_eager_schedule(schedule, world):
     """The demo GPT split into stages as the benchmark runs it, AdamW, bf16 autocast."""

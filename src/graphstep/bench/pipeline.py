@@ -87,7 +87,12 @@ def pipelined_gpt(
     """`rank`'s step of `base` (copied) pipelined over `ranks` ranks of `group` with `schedule`. `wrap`:
     data parallelism on each stage (FSDP2, replicate). `graphed_stages(module, index)`: replaces each
     stage's module (`per_stage_graphs`). `optimizer(params)`: AdamW(lr=3e-4) unless given."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     indices, n_stages = stage_indices(schedule, rank, ranks)
     layers = len(base.blocks)
@@ -110,7 +115,11 @@ def pipelined_gpt(
     opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=3e-4)
     first, last = 0 in indices, n_stages - 1 in indices
 
+    turns = [m for m in run if isinstance(m, _InTurn)]
+
     def step(x: Tensor, y: Tensor) -> Tensor:  # x, y: (B, T) token ids, the whole batch
+        for m in turns:  # (per-stage graphs) micro-batch 0's graphs first, whatever ran before
+            m.restart()
         losses: list[Tensor] = []  # made here: the schedule fills it in every call
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             sched.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
@@ -152,6 +161,9 @@ class _InTurn(nn.Module):
         super().__init__()
         self.module = module  # its parameters, for the optimizer and the stage
         self._graphed = graphed
+        self._next = 0
+
+    def restart(self) -> None:
         self._next = 0
 
     def forward(self, x: Tensor) -> Tensor:

@@ -117,7 +117,9 @@ class _Watch(TorchDispatchMode):
 class Together:
     """One call of a distributed step that runs the step eagerly or captures it (see above)."""
 
-    def __init__(self, board: Any, name: str, *, capturing: bool, watch: bool = True, pipelined: bool = False):
+    def __init__(
+        self, board: Any, name: str, *, capturing: bool, watch: bool = True, pipelined: bool = False
+    ):
         self.board = board
         self.name = name
         self.capturing = capturing
