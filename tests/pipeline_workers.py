@@ -236,3 +236,39 @@ def train_gpt_pipeline(
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def eval_between_steps(rank: int, size: int, *, steps: int = 8, at: int = 5) -> dict:
+    """`schedule.eval(...)` between two training calls (after the capture): the schedule initialises its
+    stages again in the next training call (a host exchange of shapes)."""
+    device = _device(rank)
+    results = []
+    for graphed in (False, True):
+        mods, sched, opt, first, last = _build("gpipe", rank, size, device, 4)
+        graphstep.optim.make_capturable(opt, device.type)
+        step = _step_fn(sched, opt, first, last, device)
+        if graphed:
+            config = graphstep.Config(backend="cuda" if device.type == "cuda" else "recording")
+            step = graphstep.capture(step, model=mods, optimizer=opt, config=config)
+        losses, errors = [], []
+        for i, (x, y) in enumerate(_data(steps, device)):
+            if i == at:
+                with torch.no_grad():
+                    sched.eval(*((x,) if first else ()), **({"target": y, "losses": []} if last else {}))
+            try:
+                losses.append(step(x, y))
+            except Exception as exc:
+                errors.append(f"{i}: {type(exc).__name__}: {exc}"[:1500])
+                break
+        results.append((mods, losses, step, errors))
+    (em, el, _, _), (gm, gl, step, errors) = results
+    report = {
+        "errors": errors,
+        "losses_equal": len(el) == len(gl) and all(torch.equal(a, b) for a, b in zip(el, gl)),
+        "params_equal": all(
+            torch.equal(a, b) for ma, mb in zip(em, gm) for a, b in zip(ma.parameters(), mb.parameters())
+        ),
+        "stats": dataclasses.asdict(step.stats),
+    }
+    step.close()
+    return report

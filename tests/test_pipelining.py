@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import graphstep
 from graphstep.distributed import p2p
-from pipeline_workers import outer_losses_list, train_gpt_pipeline, train_pipeline
+from pipeline_workers import eval_between_steps, outer_losses_list, train_gpt_pipeline, train_pipeline
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -101,3 +101,13 @@ def test_a_group_member_with_other_collectives_is_named():
     found = p2p.mismatch(texts)
     assert found is not None and "group 0,1" in found and "rank 1: 1 collectives" in found, found
     assert json.loads(texts[0])["group 0,1"][0] == 2
+
+
+def test_schedule_eval_between_captured_training_calls():
+    """`schedule.eval()` (eager, outside the step) makes the next training call initialise the stages
+    again eagerly (new receive buffers, a host exchange of shapes); the replays keep the capture's
+    buffers, which hold the same shapes: every call still equals eager, with no capture again."""
+    for rank, report in enumerate(run_ranks(eval_between_steps, 2)):
+        assert report["errors"] == [], f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 1 and report["stats"]["replays"] == 4, report
