@@ -238,7 +238,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def eval_between_steps(rank: int, size: int, *, steps: int = 8, at: int = 5) -> dict:
+def eval_between_steps(
+    rank: int, size: int, *, steps: int = 8, at: int = 5, move_at: int | None = None
+) -> dict:
     """`schedule.eval(...)` between two training calls (after the capture): the schedule initialises its
     stages again in the next training call (a host exchange of shapes)."""
     device = _device(rank)
@@ -252,6 +254,9 @@ def eval_between_steps(rank: int, size: int, *, steps: int = 8, at: int = 5) -> 
             step = graphstep.capture(step, model=mods, optimizer=opt, config=config)
         losses, errors = [], []
         for i, (x, y) in enumerate(_data(steps, device)):
+            if i == move_at:  # a parameter moved: the next call captures again
+                weight = mods[0][0].weight
+                weight.data = weight.data.clone()
             if i == at:
                 with torch.no_grad():
                     sched.eval(*((x,) if first else ()), **({"target": y, "losses": []} if last else {}))

@@ -104,10 +104,15 @@ def test_a_group_member_with_other_collectives_is_named():
 
 
 def test_schedule_eval_between_captured_training_calls():
-    """`schedule.eval()` (eager, outside the step) makes the next training call initialise the stages
-    again eagerly (new receive buffers, a host exchange of shapes); the replays keep the capture's
-    buffers, which hold the same shapes: every call still equals eager, with no capture again."""
-    for rank, report in enumerate(run_ranks(eval_between_steps, 2)):
+    """`schedule.eval()` (eager, outside the step) before call 5 makes the next training call initialise
+    the stages again eagerly (new receive buffers, a host exchange of shapes); the replays keep the
+    capture's buffers, which hold the same shapes, and equal eager. A parameter moved before call 6 asks
+    for a capture: the schedule would initialise its stages in it, so that call is one more warm-up (on
+    every rank) and the next captures."""
+    for rank, report in enumerate(run_ranks(eval_between_steps, 2, move_at=6)):
         assert report["errors"] == [], f"rank {rank}: {report}"
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
-        assert report["stats"]["captures"] == 1 and report["stats"]["replays"] == 4, report
+        stats = report["stats"]
+        warmups = graphstep.Config().warmup_steps
+        assert stats["captures"] == 2 and stats["warmup_calls"] == warmups + 1, f"rank {rank}: {stats}"
+        assert stats["replays"] == 2, f"rank {rank}: {stats}"

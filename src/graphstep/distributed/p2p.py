@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from typing import Any
 
 import torch
@@ -121,3 +122,49 @@ def _global(group: Any, peer: int) -> int:
         return dist.get_process_group_ranks(group)[peer]
     except Exception:  # an unregistered group: the group's own rank (compared as such on both sides)
         return peer
+
+
+# -- the schedules a step drives ---------------------------------------------------------------------
+
+
+def pipeline_schedules(fn: Any) -> list:
+    """The `torch.distributed.pipelining` schedules in `fn`'s closure, its globals, or the attributes of
+    the object it is a method of (found once, when the step is first called)."""
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    if schedules is None:  # never imported: no step of this process drives one
+        return []
+    kind = schedules._PipelineSchedule
+    found: list = []
+    self = getattr(fn, "__self__", None)
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    values = []
+    if code is not None:
+        values += [c.cell_contents for c in fn.__closure__ or () if _assigned(c)]
+        values += [getattr(fn, "__globals__", {}).get(name) for name in code.co_names]
+    if self is not None:
+        values += list(getattr(self, "__dict__", {}).values())
+    for value in values:
+        if isinstance(value, kind) and not any(value is s for s in found):
+            found.append(value)
+    return found
+
+
+def initialises(schedule: Any) -> bool:
+    """Whether `schedule.step()` will initialise its stages in its next call (its first, or the first
+    after `schedule.eval()`): shape inference, a host exchange of metadata that no graph can hold."""
+    forward = getattr(schedule, "_stage_forward_initialized", None)
+    backward = getattr(schedule, "_stage_backward_initialized", None)
+    if forward is None:  # a schedule of several stages per rank
+        forward = getattr(schedule, "_stages_forward_initialized", True)
+        backward = getattr(schedule, "_stages_backward_initialized", True)
+    has_backward = getattr(schedule, "_has_backward", False)
+    return not forward or (has_backward and not backward)
+
+
+def _assigned(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
