@@ -277,3 +277,42 @@ def eval_between_steps(
     }
     step.close()
     return report
+
+
+def p2p_differs_at_capture(rank: int, size: int) -> dict:
+    """Rank 0 sends four float32 numbers to rank 1 on every call; while capturing, rank 1 receives them
+    as int32 (a branch only it takes, same bytes: nothing fails on the wire). The ranks compare at the
+    end of the capture and every rank refuses it."""
+    device = _device(rank)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = graphstep.Config(backend="cuda" if device.type == "cuda" else "recording")
+    runs = iter(range(1, 1000))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        capturing = next(runs) == config.warmup_steps + 1
+        out = model(x)
+        if rank == 0:
+            dist.send(out.detach().sum(0), dst=1)
+        else:
+            got = torch.empty(4, device=device, dtype=torch.int32 if capturing else torch.float32)
+            dist.recv(got, src=0)
+            out = out + got.float().sum() * 0
+        loss = out.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=config)
+    report: dict = {"error": None, "message": "", "call": None}
+    for i in range(config.warmup_steps + 3):
+        try:
+            captured(torch.ones(2, 4, device=device) * i)
+        except Exception as exc:
+            report.update(error=type(exc).__name__, message=str(exc), call=i)
+            break
+    report["stats"] = dataclasses.asdict(captured.stats)
+    captured.close()
+    return report

@@ -18,7 +18,13 @@ import torch.distributed as dist
 
 import graphstep
 from graphstep.distributed import p2p
-from pipeline_workers import eval_between_steps, outer_losses_list, train_gpt_pipeline, train_pipeline
+from pipeline_workers import (
+    eval_between_steps,
+    outer_losses_list,
+    p2p_differs_at_capture,
+    train_gpt_pipeline,
+    train_pipeline,
+)
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -61,6 +67,21 @@ def test_a_losses_list_made_outside_the_step_is_refused_on_every_rank():
     assert rank0["error"] == "CaptureError" and rank0["call"] == warmups, rank0
     assert "failed on rank 1" in rank0["message"]
     assert rank0["stats"]["captures"] == rank1["stats"]["captures"] == 0
+
+
+def test_a_receive_unlike_its_send_at_capture_is_refused_on_every_rank():
+    """Rank 1 receives rank 0's float32 numbers as int32 while capturing only (same bytes: nothing fails
+    on the wire, a replay would feed it garbage): the ranks compare what they exchanged at the end of
+    the capture, and both refuse it, naming the pair."""
+    warmups = graphstep.Config().warmup_steps
+    for rank, report in enumerate(run_ranks(p2p_differs_at_capture, 2)):
+        assert report["error"] == "CollectiveMismatchError" and report["call"] == warmups, (
+            f"rank {rank}: {report}"
+        )
+        message = report["message"]
+        assert "rank 0 sent 1 tensor (first: float32[4]" in message, message
+        assert "rank 1 received 1 tensor (first: int32[4]" in message, message
+        assert report["stats"]["captures"] == 0 and report["stats"]["replays"] == 0
 
 
 # -- the end-of-call comparison of a pipelined step's communication (no processes) ---------------

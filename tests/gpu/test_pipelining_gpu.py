@@ -14,7 +14,13 @@ import pytest
 import torch
 
 import graphstep
-from pipeline_workers import outer_losses_list, train_gpt_pipeline, train_pipeline
+from pipeline_workers import (
+    eval_between_steps,
+    outer_losses_list,
+    p2p_differs_at_capture,
+    train_gpt_pipeline,
+    train_pipeline,
+)
 from ranks import run_ranks
 
 GPUS = torch.cuda.device_count()
@@ -75,3 +81,24 @@ def test_a_losses_list_made_outside_the_step_is_refused_on_both_ranks():
     assert rank1["error"] == "PythonWriteError" and rank1["call"] == warmups, rank1
     assert "Make the list inside the step" in rank1["message"], rank1
     assert rank0["error"] == "CaptureError" and "failed on rank 1" in rank0["message"], rank0
+
+
+def test_a_receive_unlike_its_send_at_capture_is_refused_on_both_ranks():
+    """NCCL sends and receives inside the capture execute nothing: only the comparison at the end of the
+    capture can tell that rank 1 receives int32 where rank 0 sends float32."""
+    warmups = graphstep.Config().warmup_steps
+    for rank, report in enumerate(nccl(p2p_differs_at_capture, 2)):
+        assert report["error"] == "CollectiveMismatchError" and report["call"] == warmups, (
+            f"rank {rank}: {report}"
+        )
+        assert "rank 1 received 1 tensor (first: int32[4]" in report["message"], report
+        assert report["stats"]["captures"] == 0
+
+
+def test_schedule_eval_between_captured_training_calls():
+    """Replays after `schedule.eval()` keep the capture's receive buffers; the re-capture that a moved
+    parameter asks for becomes one more warm-up (the schedule initialises its stages), then captures."""
+    for rank, report in enumerate(nccl(eval_between_steps, 2, move_at=6)):
+        assert report["errors"] == [], f"rank {rank}: {report}"
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 2, f"rank {rank}: {report}"

@@ -96,7 +96,8 @@ def _told(entry: list | None, what: str) -> str:
     if entry is None:
         return f"no {what}"
     count, digest, first = entry
-    return f"{count} {what} (first: {first}; digest {digest})"
+    noun = what if count != 1 else what[:-1]
+    return f"{count} {noun} (first: {first}; digest {digest})"
 
 
 def _digest(items: list[str]) -> str:
