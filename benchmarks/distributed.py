@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -39,6 +40,8 @@ from graphstep.distributed.ranks import DDP_WARMUP_STEPS, Phase, Ranks
 BATCH = 16
 PIPELINES = ("pp_gpipe", "pp_1f1b", "pp_interleaved")
 MICRO_BATCHES = 4
+PP_LAYERS = 8
+"""The pipeline rows' GPT: TINY with 8 blocks, one or more per stage up to 8 stages (interleaved on 4 GPUs)."""
 
 
 def training(kind: str, base: GPT, device: torch.device, mesh: object = None) -> StepFn:
@@ -64,11 +67,13 @@ def ms_per_step(run, data: list, warmup: int) -> float:
     return (time.perf_counter() - start) * 1e3 / (len(data) - warmup)
 
 
-def pipeline_row(kind: str, base: GPT, device: torch.device, data: list, warmup: int) -> dict:
+def pipeline_row(kind: str, device: torch.device, data: list, warmup: int) -> dict:
     """One pipeline row: the eager schedule, graphstep's whole step, the per-stage graphs (and, where
     torch.cuda.graph takes the whole pipelined step by hand, that too)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     schedule = kind.removeprefix("pp_")
+    torch.manual_seed(0)
+    base = GPT(dataclasses.replace(TINY, n_layer=PP_LAYERS)).to(device)
 
     def part(graphed_stages=None):
         made = pipelined_gpt(
@@ -139,7 +144,7 @@ def main() -> None:
             kind in PIPELINES
         ):  # every stage reads the same batches (the first the tokens, the last the targets)
             data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=0, device="cuda")
-            rows.append(pipeline_row(kind, base, device, data, warmup))
+            rows.append(pipeline_row(kind, device, data, warmup))
             if rank == 0:
                 print(rows[-1], flush=True)
             continue
@@ -184,7 +189,7 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
             "warm-up steps, synchronised before and after; DDP built on a side stream; tp: qkv/fc "
             "column-wise, proj/fc_out row-wise, the rest replicated DTensors; fsdp_tp: a (gpus/2, 2) "
             "mesh, tp within pairs of neighbouring ranks, FSDP2 (reshard after forward) across them; "
-            f"pp_*: the GPT in fp32 split into one stage per GPU (two for interleaved 1F1B), "
+            f"pp_*: the GPT with {PP_LAYERS} blocks in fp32 split into one stage per GPU (two for interleaved 1F1B), "
             f"{MICRO_BATCHES} micro-batches, AdamW, no clipping; per-stage graphs: "
             "torch.cuda.make_graphed_callables of each stage, one per micro-batch, schedule and optimizer eager"
         ),

@@ -182,7 +182,7 @@ def train_gpt_pipeline(
     from graphstep.bench.pipeline import pipelined_gpt
     from graphstep.demo.gpt import GPT, GPTConfig, make_batches
 
-    cfg = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=2, n_embd=32)
+    cfg = GPTConfig(vocab_size=128, seq_len=16, n_layer=2 * size, n_head=2, n_embd=32)  # a block per stage
     device = _device(rank)
     torch.use_deterministic_algorithms(True)
     mesh, group, pp_rank, pp_size, seed = None, None, rank, size, 0

@@ -96,6 +96,10 @@ def pipelined_gpt(
 
     indices, n_stages = stage_indices(schedule, rank, ranks)
     layers = len(base.blocks)
+    if layers < n_stages:
+        raise ValueError(
+            f"{layers} blocks cannot fill {n_stages} stages: give the GPT at least one per stage"
+        )
     modules = []
     for i in indices:
         blocks = range(i * layers // n_stages, (i + 1) * layers // n_stages)
