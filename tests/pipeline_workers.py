@@ -316,3 +316,31 @@ def p2p_differs_at_capture(rank: int, size: int) -> dict:
     report["stats"] = dataclasses.asdict(captured.stats)
     captured.close()
     return report
+
+
+def stage_fails_mid_step(rank: int, size: int, *, failing: int = 0, call: int = 1) -> dict:
+    """Stage `failing` raises in its `call`-th step before sending its activations (0-based)."""
+    import time
+
+    device = _device(rank)
+    mods, sched, opt, first, last = _build("gpipe", rank, size, device, 4)
+    inner = _step_fn(sched, opt, first, last, device)
+    runs = iter(range(1000))
+
+    def step(x, y):
+        if rank == failing and next(runs) == call:
+            raise RuntimeError(f"boom on stage {rank}")
+        return inner(x, y)
+
+    config = graphstep.Config(backend="cuda" if device.type == "cuda" else "recording")
+    captured = graphstep.capture(step, model=mods, optimizer=opt, config=config)
+    report: dict = {"error": None, "message": "", "call": None}
+    start = time.monotonic()
+    for i, (x, y) in enumerate(_data(call + 2, device)):
+        try:
+            captured(x, y)
+        except Exception as exc:
+            report.update(error=type(exc).__name__, message=str(exc)[:600], call=i)
+            break
+    report["waited_s"] = round(time.monotonic() - start, 1)
+    return report

@@ -22,6 +22,7 @@ from pipeline_workers import (
     eval_between_steps,
     outer_losses_list,
     p2p_differs_at_capture,
+    stage_fails_mid_step,
     train_gpt_pipeline,
     train_pipeline,
 )
@@ -82,6 +83,18 @@ def test_a_receive_unlike_its_send_at_capture_is_refused_on_every_rank():
         assert "rank 0 sent 1 tensor (first: float32[4]" in message, message
         assert "rank 1 received 1 tensor (first: int32[4]" in message, message
         assert report["stats"]["captures"] == 0 and report["stats"]["replays"] == 0
+
+
+def test_a_stage_failing_mid_call_on_gloo_is_bounded_by_the_vote_timeout():
+    """Stage 0 raises before sending in its second call. With gloo, stage 1 waits in its receive (the host
+    blocks there) and never votes: stage 0 gives up after GRAPHSTEP_VOTE_TIMEOUT and raises its own error;
+    its process ends, which ends stage 1's receive with gloo's error. (With NCCL the host does not wait
+    in a receive: stage 1 reaches the end of its step and both learn it there, tests/gpu.)"""
+    env = {"GRAPHSTEP_VOTE_TIMEOUT": "2"}
+    rank0, rank1 = run_ranks(stage_fails_mid_step, 2, env=env, destroy=False, timeout=60)
+    assert rank0["error"] == "RuntimeError" and rank0["message"] == "boom on stage 0", rank0
+    assert rank0["call"] == rank1["call"] == 1 and rank0["waited_s"] < 20, rank0
+    assert rank1["error"] is not None and rank1["waited_s"] < 20, rank1
 
 
 # -- the end-of-call comparison of a pipelined step's communication (no processes) ---------------

@@ -18,6 +18,7 @@ from pipeline_workers import (
     eval_between_steps,
     outer_losses_list,
     p2p_differs_at_capture,
+    stage_fails_mid_step,
     train_gpt_pipeline,
     train_pipeline,
 )
@@ -102,3 +103,13 @@ def test_schedule_eval_between_captured_training_calls():
         assert report["errors"] == [], f"rank {rank}: {report}"
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
         assert report["stats"]["captures"] == 2, f"rank {rank}: {report}"
+
+
+def test_a_stage_failing_mid_call_is_reported_to_the_other_at_the_end_of_its_step():
+    """Stage 0 raises before sending in a warm-up. With NCCL stage 1's host does not wait in its receive:
+    it reaches the end of its step, where the vote tells it, and raises RankFailedError naming stage 0.
+    (Its GPU keeps the unmatched receive queued: no destroy_process_group afterwards, as docs say.)"""
+    rank0, rank1 = nccl(stage_fails_mid_step, 2, destroy=False)
+    assert rank0["error"] == "RuntimeError" and rank0["message"] == "boom on stage 0", rank0
+    assert rank1["error"] == "RankFailedError" and rank1["call"] == 1, rank1
+    assert "failed on rank 0" in rank1["message"] and "boom on stage 0" in rank1["message"], rank1

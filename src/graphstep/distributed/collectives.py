@@ -188,9 +188,23 @@ class Together:
         if not self.ended:
             code = failure_code(error)
             failed = (self.board.size - self.board.rank) * KINDS + code if code else 0
-            self._decide(self._exchange([failed, 0, _DIGEST_MASK, 0]), error, None)
-            if not self.ended:  # the others stopped voting collective by collective: they end later
+            try:
                 self._decide(self._exchange([failed, 0, _DIGEST_MASK, 0]), error, None)
+                if not self.ended:  # the others stopped voting collective by collective: they end later
+                    self._decide(self._exchange([failed, 0, _DIGEST_MASK, 0]), error, None)
+            except RankFailedError:
+                if error is None or self.lockstep:
+                    raise
+                # A pipelined step failed here mid-call: the others may wait in a receive for what this
+                # rank never sent (gloo blocks the host there) and never vote. Its own error stands.
+                log.warning(
+                    "graphstep: %s failed on this rank in the middle of a pipelined call, and the other "
+                    "ranks did not end theirs (waiting for what this rank would have sent?): its own "
+                    "error stands.",
+                    self.name,
+                )
+                self.ended = True
+                return None
             if error is None and self.error is None and not self.lockstep:
                 self._compare_logs()
         if error is not None:
