@@ -11,7 +11,8 @@ micro-batch, the schedule and optimizer eager: graphstep.bench.pipeline).
 Also times the vote graphstep holds before every call of a distributed step (`Ranks.agree`:
 shared memory on one host). Rank 0 writes benchmarks/results/<gpu>x<n>_<date>_distributed.{json,md}.
 Run: `torchrun --nproc_per_node N benchmarks/distributed.py [--steps 100] [--kinds ddp,fsdp_tp] [--out DIR]`
-with N = 2, 4 or 8 (every GPU of the host: scripts/gpu-check-distributed.sh).
+with N = 2, 4 or 8 (every GPU of the host: scripts/gpu-check-distributed.sh). Without GPUs (gloo) only
+the pipeline rows run, eager and graphstep: a check that the script works, not a measurement.
 """
 
 from __future__ import annotations
@@ -56,20 +57,22 @@ def training(kind: str, base: GPT, device: torch.device, mesh: object = None) ->
 
 
 def ms_per_step(run, data: list, warmup: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     for x, y in data[:warmup]:
         run(x, y)
     dist.barrier()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for x, y in data[warmup:]:
         run(x, y)
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) * 1e3 / (len(data) - warmup)
 
 
-def pipeline_row(kind: str, device: torch.device, data: list, warmup: int) -> dict:
-    """One pipeline row: the eager schedule, graphstep's whole step, the per-stage graphs (and, where
-    torch.cuda.graph takes the whole pipelined step by hand, that too)."""
+def pipeline_row(kind: str, device: torch.device, data: list, warmup: int, hand_written: bool) -> dict:
+    """One pipeline row: the eager schedule, graphstep's whole step, the per-stage graphs, and with
+    `hand_written` a torch.cuda.graph of the whole pipelined step by hand (opt-in: a capture that fails
+    on one rank only would leave the others' replays waiting for its sends)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     schedule = kind.removeprefix("pp_")
     torch.manual_seed(0)
@@ -87,25 +90,23 @@ def pipeline_row(kind: str, device: torch.device, data: list, warmup: int) -> di
     step = graphstep.capture(made.step, model=made.modules, optimizer=made.optimizer)
     captured = ms_per_step(step, data, warmup)
     step.close()
-    graphs = per_stage_graphs(BATCH // MICRO_BATCHES, TINY.seq_len, TINY.n_embd, MICRO_BATCHES, device)
-    per_stage = ms_per_step(part(graphs).step, data, warmup)
-    hand = None
-    try:  # a hand-written torch.cuda.graph around the same step: the floor graphstep aims at
-        manual = ManualGraphStep(part().step, warmup=3)
-        hand = ms_per_step(manual, data, warmup)
-        manual.close()
-    except Exception as exc:
-        if rank == 0:
-            print(f"{kind}: the hand-written graph failed: {exc!r}"[:300], flush=True)
+    per_stage = hand = None
+    if device.type == "cuda":  # (on CPU, a check that the script runs: eager and graphstep's rows only)
+        graphs = per_stage_graphs(BATCH // MICRO_BATCHES, TINY.seq_len, TINY.n_embd, MICRO_BATCHES, device)
+        per_stage = ms_per_step(part(graphs).step, data, warmup)
+        if hand_written:  # a hand-written torch.cuda.graph around the same step: the floor to aim at
+            manual = ManualGraphStep(part().step, warmup=3)
+            hand = ms_per_step(manual, data, warmup)
+            manual.close()
     return {
         "parallelism": kind,
         "eager_ms": round(eager, 3),
         "hand_written_graph_ms": None if hand is None else round(hand, 3),
         "graphstep_ms": round(captured, 3),
-        "per_stage_graphs_ms": round(per_stage, 3),
+        "per_stage_graphs_ms": None if per_stage is None else round(per_stage, 3),
         "speedup_vs_eager": round(eager / captured, 2),
         "graphstep_vs_hand_written": None if hand is None else round(captured / hand, 3),
-        "speedup_vs_per_stage_graphs": round(per_stage / captured, 2),
+        "speedup_vs_per_stage_graphs": None if per_stage is None else round(per_stage / captured, 2),
     }
 
 
@@ -126,25 +127,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--kinds", default=",".join(KINDS + KINDS_2D + PIPELINES))
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--pipeline-hand-written",
+        action="store_true",
+        help="pipeline rows: also a hand-written torch.cuda.graph",
+    )
     args = parser.parse_args()
-    dist.init_process_group("nccl")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:  # without GPUs only the pipeline rows run (eager and graphstep): a check that the script works
+        args.kinds = ",".join(k for k in args.kinds.split(",") if k in PIPELINES)
     torch.manual_seed(0)
     base = GPT(TINY).to(device)
-    warmup = DDP_WARMUP_STEPS + 5
+    warmup = DDP_WARMUP_STEPS + 5 if cuda else 4
     rows = []
     for kind in args.kinds.split(","):
         if kind == "tp" and TINY.n_head % size:
             if rank == 0:
                 print(f"tp skipped: {TINY.n_head} heads do not split over {size} ranks", flush=True)
             continue
-        if (
-            kind in PIPELINES
-        ):  # every stage reads the same batches (the first the tokens, the last the targets)
-            data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=0, device="cuda")
-            rows.append(pipeline_row(kind, device, data, warmup))
+        if kind in PIPELINES:  # every stage reads the same batches (first stage the tokens, last the targets)
+            data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=0, device=device)
+            rows.append(pipeline_row(kind, device, data, warmup, args.pipeline_hand_written))
             if rank == 0:
                 print(rows[-1], flush=True)
             continue
@@ -170,7 +178,7 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
-    vote = {method: vote_us(method) for method in ("shm", "gloo")}
+    vote = {method: vote_us(method, 2000 if cuda else 50) for method in ("shm", "gloo")}
     if rank == 0:
         write(rows, vote, size, args)
     dist.destroy_process_group()
@@ -178,10 +186,10 @@ def main() -> None:
 
 def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespace) -> None:
     result = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "gpus": size,
         "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none",
         "date": datetime.date.today().isoformat(),
         "config": (
             f"demo GPT {TINY} batch {BATCH} per rank, bf16 autocast, AdamW(capturable, tensor lr) + "
