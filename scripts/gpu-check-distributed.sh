@@ -13,7 +13,7 @@ GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -c "import torch; print(f'torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, {torch.cuda.get_device_name()} x{torch.cuda.device_count()}')" | tee "$OUT/env.txt"
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
-  python3 -m pytest tests/gpu/test_distributed_gpu.py -q -p no:cacheprovider --timeout=300 -rA "$@" 2>&1 | tee "$OUT/gpu-distributed-tests.log"
+  python3 -m pytest tests/gpu/test_distributed_gpu.py tests/gpu/test_pipelining_gpu.py -q -p no:cacheprovider --timeout=300 -rA "$@" 2>&1 | tee "$OUT/gpu-distributed-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${BENCH:-1}" != 0 ] && [ "$GPUS" -ge 2 ]; then

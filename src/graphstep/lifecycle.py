@@ -52,13 +52,18 @@ class Plan:
     """"warm", "capture" (the first graph), "replay", "variant" (a graph for new guarded values,
     the others kept), "recapture" (counted), "switch" (an optimizer moved to an eager segment),
     "rewarm" (optimizer state of another layout: warm up once more), "stale", "churn" (a value
-    changes on every call: run eagerly instead of capturing, see `guards/churn.py`)."""
+    changes on every call: run eagerly instead of capturing, see `guards/churn.py`), "pipeline" (a
+    pipeline schedule initialises its stages in this call: one more warm-up, `distributed/p2p.py`)."""
     changes: tuple[str, ...] = ()
     limited: bool = False
     """A counted re-capture would pass `Config.max_recaptures`."""
 
 
 _REPLAY = Plan(Phase.REPLAY, "replay")  # most calls: made once
+_REWARM = {
+    "rewarm": "optimizer state changes its layout (loaded, or created for a layer that trains again)",
+    "pipeline": "a pipeline schedule initialises its stages in this call (a host exchange of shapes)",
+}
 _ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
 
 
@@ -66,9 +71,14 @@ def _plan(life: Lifecycle) -> Plan:
     """What this rank would do with a call, before the ranks agree: replay, switch to a variant that
     fits, warm up, capture (a first graph, a variant, again), or run eagerly (stale, churn)."""
     plan = _wanted(life)
-    ranks = life.ctx.ranks
-    if plan.phase is Phase.CAPTURE and ranks is not None and ranks.ddp_rebuilding:
+    ctx = life.ctx
+    if plan.phase is Phase.CAPTURE and ctx.ranks is not None and ctx.ranks.ddp_rebuilding:
         return Plan(Phase.EAGER, "warm")  # DDP rebuilds its buckets in an eager forward first
+    if plan.phase is Phase.CAPTURE and ctx.pipelines and ctx.pipelines_initialise():
+        # A pipeline schedule initialises its stages in this call (its shapes exchanged on the host):
+        # eagerly, in one more warm-up; the next call captures.
+        why = "a pipeline schedule initialises its stages (after schedule.eval(), say)"
+        return Plan(Phase.EAGER, "warm" if life.current is None else "pipeline", (*plan.changes, why))
     return plan
 
 
@@ -231,11 +241,11 @@ class Lifecycle:
 
     def _step_eagerly(self, plan: Plan, args: tuple, kwargs: dict) -> Any:
         ctx = self.ctx
-        if plan.kind == "rewarm":
+        if plan.kind in ("rewarm", "pipeline"):
             log.warning(
-                "graphstep: %s: optimizer state changes its layout (loaded, or created for a layer "
-                "that trains again); one more warm-up, then a capture:\n%s",
+                "graphstep: %s: %s; one more warm-up, then a capture:\n%s",
                 ctx.name,
+                _REWARM[plan.kind],
                 _listed(plan.changes),
             )
             self._drop_all()

@@ -18,7 +18,7 @@ from .backends.graph_breaks import GraphBreaks
 from .backends.loose import LooseArguments
 from .config import Config
 from .diagnostics import StepStats
-from .distributed import Ranks
+from .distributed import Ranks, p2p
 from .errors import CaptureError, GraphStepError
 from .guards import barriers, bindings
 from .optim import OptimizerAdapter
@@ -48,6 +48,12 @@ class StepContext:
     graphs_alive: Callable[[], int]
     loose: LooseArguments = dataclasses.field(default_factory=LooseArguments)
     """Arguments used only in eager segments: not part of the key (`backends/loose.py`)."""
+    pipelines: list = dataclasses.field(default_factory=list)
+    """`torch.distributed.pipelining` schedules the step drives: one that will initialise its stages
+    (a host exchange of shapes) in the next call makes that call a warm-up, never a capture."""
+
+    def pipelines_initialise(self) -> bool:
+        return any(p2p.initialises(s) for s in self.pipelines)
 
     @classmethod
     def open(
@@ -114,6 +120,7 @@ class StepContext:
             ),
             warmups_needed=warmups,
             graphs_alive=graphs_alive,
+            pipelines=p2p.pipeline_schedules(fn),
         )
 
     def pool_is_free(self) -> bool:

@@ -18,6 +18,13 @@ eager's do. A step that saves and restores its state (`torch.get_rng_state()` /
 that way) has those two recorded as operations of the recording too, in their place among the others:
 a replay saves the generator's state of that replay into the saved tensor, and restores from the
 tensor it restored from. Relative to the replay's own generator, as a CUDA graph's philox offsets are.
+
+A collective or point-to-point operation (`c10d.send`, `c10d.recv_`, `c10d.allreduce_`) returns a work
+handle, and the data is only there once the step waits on it (`work.wait()`, which torch.distributed's
+Python calls: no operation the recorder sees). Each `wait()` the step makes on such a handle is recorded
+as well, in its place: a replay waits on the replayed operation's handle where the step waited, as a
+CUDA graph makes its stream wait on NCCL's where the capture did (`_WorkWaits`). Without those waits a
+replayed receive would be read before its data arrived.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class _Recorder(UndoLog):
         self.parts: list[list[tuple[Any, tuple, dict, Any]]] = [[]]
         self.paused = False
         self._aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.works: dict[int, tuple[Any, _WorkSlot]] = {}
+        """id of a work handle an operation returned -> (the handle, kept alive; its slot in the replay)."""
 
     def end_part(self) -> None:
         self.paused = True
@@ -91,10 +100,21 @@ class _Recorder(UndoLog):
         self.before(func, args, kwargs)
         out = func(*args, **kwargs)
         alias = self.alias
+        work = _work_of(func, out)
+        if work is not None:  # the replay's handle goes into a slot that the recorded wait reads
+            slot = _WorkSlot()
+            self.works[id(work)] = (work, slot)
+            func = _ReturnsWork(func, slot)
         self.parts[-1].append(
             (func, map_op_tensors(alias, args), map_op_tensors(alias, kwargs), map_op_tensors(alias, out))
         )
         return out
+
+    def waited(self, work: Any) -> None:
+        """The step waited on `work`: a replay waits on that operation's handle here."""
+        known = self.works.get(id(work))
+        if known is not None and known[0] is work:
+            self.host_op(known[1].wait)
 
 
 def _replay_ops(ops: list) -> None:
@@ -150,6 +170,7 @@ class RecordingBackend(HostBackend):
                 recorder,
                 _pretend_capturing(),
                 _recording_rng_state(recorder),
+                _WorkWaits(recorder),
             ):
                 outputs = body(
                     Splitter(recorder.end_part, recorder.begin_part, executes=True), *args, **kwargs
@@ -183,6 +204,92 @@ def _refill_sparse(buffer: torch.Tensor, value: torch.Tensor) -> None:
 
 _HOST_OP = object()
 """In a part's list: the entry is a host operation (`_Recorder.host_op`), not an ATen one."""
+
+
+# -- work handles of collectives and point-to-point operations --------------------------------------
+
+
+class _WorkSlot:
+    """The handle a replayed operation returned, for the wait recorded after it."""
+
+    __slots__ = ("work",)
+
+    def __init__(self) -> None:
+        self.work: Any = None
+
+    def wait(self) -> None:
+        work, self.work = self.work, None
+        if work is not None:
+            _unboxed(work).wait()
+
+
+class _ReturnsWork:
+    """A recorded operation that returns a work handle: a replay keeps it in the slot."""
+
+    __slots__ = ("func", "slot")
+
+    def __init__(self, func: Any, slot: _WorkSlot):
+        self.func, self.slot = func, slot
+
+    @property
+    def _schema(self) -> Any:
+        return self.func._schema
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.func(*args, **kwargs)
+        self.slot.work = _script_work(out)
+        return out
+
+
+def _script_work(out: Any) -> Any:
+    """The work handle among an operation's results (a ScriptObject of torch's c10d Work), or None."""
+    for value in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(value, torch.ScriptObject):
+            return value
+    return None
+
+
+def _unboxed(script_work: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.Work.unbox(script_work)
+
+
+def _work_of(func: Any, out: Any) -> Any:
+    """The Python handle (`dist.Work`) of the work `func` returned, when it is a c10d operation."""
+    if getattr(func, "namespace", None) != "c10d":
+        return None
+    script = _script_work(out)
+    return None if script is None else _unboxed(script)  # the same object the step's Python gets
+
+
+class _WorkWaits:
+    """While recording: each `dist.Work.wait()` the step calls is recorded in its place."""
+
+    def __init__(self, recorder: _Recorder):
+        self.recorder = recorder
+        self.original: Any = None
+
+    def __enter__(self) -> None:
+        if not torch.distributed.is_available():
+            return
+        import torch.distributed as dist
+
+        original = self.original = dist.Work.wait
+        recorder = self.recorder
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(work, *args, **kwargs)
+            recorder.waited(work)
+            return result
+
+        dist.Work.wait = wait
+
+    def __exit__(self, *exc: object) -> None:
+        if self.original is not None:
+            import torch.distributed as dist
+
+            dist.Work.wait = self.original
 
 
 @contextlib.contextmanager

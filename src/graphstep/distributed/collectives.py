@@ -18,9 +18,11 @@ FSDP2's all-gathers and reduce-scatters, tensor parallelism's functional collect
 its operation, group shape, dtypes and shapes) -> go on; any rank's step already ended or
 failed, or a digest differs -> every rank stops here with the same error, naming the failed
 rank or the first difference. When the step ends, one more vote agrees that every rank's step
-succeeded. Point-to-point operations (send, recv) are not checked: they differ between ranks
-by nature. The check assumes SPMD steps (every rank issues the same collectives in the same
-order), as DDP, FSDP2 and tensor parallelism do.
+succeeded. The check assumes SPMD steps (every rank issues the same collectives in the same
+order), as DDP, FSDP2 and tensor parallelism do. A point-to-point operation (send, recv: pipeline
+parallelism) is voted on like a collective the first time, and that vote tells every rank to stop
+voting collective by collective, in this call and every later one: ranks then compare, at the end of
+each call, what each process group's members and each pair of ranks exchanged (`p2p.py`).
 
 A Python dispatch mode makes torch.compile skip compiling unless the mode declares that it
 ignores compile internals (torch >= 2.9). On older torch the collectives are not watched, only
@@ -39,15 +41,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..diagnostics import _describe, is_host_sync, is_out_of_memory, log, user_frame_of
 from ..errors import CaptureError, CollectiveMismatchError, GraphStepError, HostSyncError, RankFailedError
+from .p2p import P2P_OPS, CommLog, mismatch
 
 WATCHABLE = "ignore_compile_internals" in vars(TorchDispatchMode)
 """Whether this torch lets a dispatch mode watch a step without turning torch.compile off."""
 
 _NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
-_NOT_COLLECTIVES = frozenset(
-    {"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"}
-    | {"send", "recv_", "recv_any_source_", "isend", "irecv", "batch_p2p_ops"}  # point to point
-)
+_NOT_COLLECTIVES = frozenset({"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"})
 _UNEVEN = frozenset({"alltoall_", "alltoall_base_", "all_to_all_single", "gather_", "scatter_"})
 """Collectives whose tensors may differ in size between ranks: only their dtypes are compared."""
 
@@ -107,14 +107,19 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "namespace", None) in _NAMESPACES and func._opname not in _NOT_COLLECTIVES:
-            self.together.before_collective(func, args, kwargs)
+            if func._opname in P2P_OPS:
+                self.together.before_p2p(func, args, kwargs)
+            else:
+                self.together.before_collective(func, args, kwargs)
         return func(*args, **kwargs)
 
 
 class Together:
     """One call of a distributed step that runs the step eagerly or captures it (see above)."""
 
-    def __init__(self, board: Any, name: str, *, capturing: bool, watch: bool = True):
+    def __init__(
+        self, board: Any, name: str, *, capturing: bool, watch: bool = True, pipelined: bool = False
+    ):
         self.board = board
         self.name = name
         self.capturing = capturing
@@ -125,6 +130,12 @@ class Together:
         """Once ended: the error this rank raises because of another rank (None: all went well)."""
         self.failed: tuple[int, int] | None = None
         """Once ended by a failure: (the lowest rank that failed, its failure code), the same on every rank."""
+        self.lockstep = not pipelined
+        """Collective by collective (SPMD); False once some rank issued a point-to-point operation."""
+        self.switched = False
+        """This call's votes told every rank to stop voting collective by collective (`p2p.py`)."""
+        self.log = CommLog(board.rank)
+        """Without lockstep: what this rank communicated, compared at the end."""
         self._mode = _Watch(self) if watch and WATCHABLE else None
         self._exchanging = False
 
@@ -147,11 +158,28 @@ class Together:
                 raise self.error
             return
         key, shown = describe(func, args, kwargs)
-        digest = _digest(key)
-        self._decide(self._exchange([0, digest, _DIGEST_MASK - digest]), None, shown)
-        if self.error is not None:
-            raise self.error
+        if self.lockstep:
+            digest = _digest(key)
+            self._decide(self._exchange([0, digest, _DIGEST_MASK - digest, 0]), None, shown)
+            if self.error is not None:
+                raise self.error
+        if not self.lockstep:
+            self.log.collective(_group_of(func, args, kwargs), key)
         self.count += 1
+
+    def before_p2p(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A send or receive: ranks stop going collective by collective (the first one says so)."""
+        if self._exchanging:
+            return
+        if self.ended:
+            if self.error is not None:
+                raise self.error
+            return
+        if self.lockstep:
+            self._decide(self._exchange([0, 1, _DIGEST_MASK - 1, 1]), None, None)
+            if self.error is not None:
+                raise self.error
+        self.log.p2p(func, args, kwargs)
 
     def end(self, error: BaseException | None) -> BaseException | None:
         """The step ended on this rank (`error`: how it failed, or None). Returns the error this
@@ -160,7 +188,25 @@ class Together:
         if not self.ended:
             code = failure_code(error)
             failed = (self.board.size - self.board.rank) * KINDS + code if code else 0
-            self._decide(self._exchange([failed, 0, _DIGEST_MASK]), error, None)
+            try:
+                self._decide(self._exchange([failed, 0, _DIGEST_MASK, 0]), error, None)
+                if not self.ended:  # the others stopped voting collective by collective: they end later
+                    self._decide(self._exchange([failed, 0, _DIGEST_MASK, 0]), error, None)
+            except RankFailedError:
+                if error is None or self.lockstep:
+                    raise
+                # A pipelined step failed here mid-call: the others may wait in a receive for what this
+                # rank never sent (gloo blocks the host there) and never vote. Its own error stands.
+                log.warning(
+                    "graphstep: %s failed on this rank in the middle of a pipelined call, and the other "
+                    "ranks did not end theirs (waiting for what this rank would have sent?): its own "
+                    "error stands.",
+                    self.name,
+                )
+                self.ended = True
+                return None
+            if error is None and self.error is None and not self.lockstep:
+                self._compare_logs()
         if error is not None:
             if known:  # else it failed after the ranks agreed it succeeded: the next vote tells them
                 mark_agreed(error)
@@ -171,6 +217,7 @@ class Together:
         """The ranks stopped this call's capture together and now run the step eagerly instead, in the
         same call (every rank decided so from the same vote): its collectives are checked afresh."""
         self.capturing, self.count, self.ended, self.error, self.failed = False, 0, False, None, None
+        self.log = CommLog(self.board.rank)
 
     def _exchange(self, values: list[int]) -> list[int]:
         self._exchanging = True
@@ -192,19 +239,41 @@ class Together:
 
     def _decide(self, top: list[int], failure: BaseException | None, collective: str | None) -> None:
         """The same decision on every rank, from the same maxima."""
-        failed, high, inverse = top
+        failed, high, inverse, p2p = top
         low = _DIGEST_MASK - inverse
         if failed:
             rank, code = self.board.size - failed // KINDS, failed % KINDS
             self.failed = (rank, code)
             texts = self._gather(describe_error(failure) if failure is not None else "")
             self._stop(self._failure_error(rank, code, texts[rank]))
+        elif p2p:  # some rank sends or receives: no more votes until the end (`p2p.py`)
+            self.lockstep, self.switched = False, True
         elif high != low:
             here = f"collective #{self.count + 1}: {collective}" if collective else None
             texts = self._gather(here or f"none: the step ended after {self.count} collectives")
             self._stop(CollectiveMismatchError(self._mismatch_message(texts)))
         elif high == 0:  # every rank's step ended, and none failed
             self.ended = True
+
+    def _compare_logs(self) -> None:
+        """Every rank's step succeeded without lockstep: compare what the ranks exchanged."""
+        texts = self._gather(self.log.summary())
+        found = mismatch(texts)
+        if found is None:
+            return
+        doing = "capturing" if self.capturing else "running"
+        consequence = (
+            "Nothing of this call was kept on any rank."
+            if self.capturing
+            else "Every rank has taken this step: restore a checkpoint on every rank before going on."
+        )
+        self._stop(
+            CollectiveMismatchError(
+                f"the ranks communicated inconsistently while {doing} {self.name}: {found}\nReplaying "
+                "would hang or mix data between ranks. Look for a branch on the rank or on a value that "
+                f"differs between ranks (a pipeline stage that sends or receives differently). {consequence}"
+            )
+        )
 
     def _stop(self, error: BaseException) -> None:
         self.ended = True
@@ -252,6 +321,14 @@ class Together:
             "for a branch on the rank, or a module wrapped (DDP, FSDP, tensor parallel) differently on "
             f"some ranks. {consequence}"
         )
+
+
+def _group_of(func: Any, args: tuple, kwargs: dict) -> list[int] | None:
+    for argument, value in _arguments(func, args, kwargs):
+        group = _group_ranks(argument, value)
+        if group is not None:
+            return group
+    return None
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -98,6 +98,9 @@ class Ranks:
         self.ddp_rebuilding = 0
         """Eager calls still to come before a capture: after a reset, DDP rebuilds its buckets in the
         second call's forward (`recover_ddp`). The same on every rank: all reset in the same call."""
+        self.pipelined = False
+        """Some rank sent or received point to point in an earlier call: no collective-by-collective
+        votes (`p2p.py`). The same on every rank (they learn it from the same vote)."""
 
     def agree(self, phase: Phase, limited: bool, name: str = "the step") -> Agreement:
         """Every rank calls this with its own answers; all get the same result, or all raise
@@ -133,7 +136,7 @@ class Ranks:
         issued, and at the end, every rank's step agreed to have succeeded (else all raise, and
         the DDP modules among `modules` are made usable again)."""
         capturing = agreed.phase is Phase.CAPTURE and agreed.limited_by is None
-        together = self._together = Together(self.board, name, capturing=capturing)
+        together = self._together = Together(self.board, name, capturing=capturing, pipelined=self.pipelined)
         self._modules = modules
         try:
             with together:
@@ -145,7 +148,9 @@ class Ranks:
             raise
         finally:
             self._together, self._modules = None, ()
+            self.pipelined = self.pipelined or together.switched
         error = together.end(None)
+        self.pipelined = self.pipelined or together.switched  # (its end may have been told so)
         if error is not None:
             raise error
         self.ddp_rebuilding = max(0, self.ddp_rebuilding - 1)

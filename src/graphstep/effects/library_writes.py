@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..guards.barriers import cell_value
 from . import values
 
@@ -109,10 +111,31 @@ def _judge(f: _First) -> tuple[str, Callable[[], None], tuple[int, str] | None] 
         what = f"`{f.text}`, attribute {f.name!r} of {values.described(f.obj)}"
         what += f": {values.shown(f.before[1])} -> {values.shown(now_value)}"
         return what, functools.partial(values.restore_attr, f.obj, f.name, f.before), (id(f.obj), f.name)
+    if _pipeline_losses(f):
+        what = (
+            f"`{f.text}`: torch.distributed.pipelining's `schedule.step(..., losses=...)` puts this call's "
+            "loss tensors into a list made outside the step. A replay runs no Python: the list would keep "
+            "the capture's tensors, rewritten by every replay (a history of them would show the last step "
+            "only). Make the list inside the step and return the losses: `losses = []; "
+            "schedule.step(..., losses=losses); return torch.stack(losses)`"
+        )
+        return what, functools.partial(values.restore_contents, f.obj, f.before), None
     if not _contents_change(f.obj, f.before):
         return None
     what = f"`{f.text}` changes {values.described(f.obj)} in place"
     return what, functools.partial(values.restore_contents, f.obj, f.before), None
+
+
+def _pipeline_losses(f: _First) -> bool:
+    """The `losses` list a pipeline schedule fills (`_PipelineSchedule._update_losses`), when it
+    existed before the capture: same length every call, so `_contents_change` sees nothing, but its
+    tensors are the capture's (the list the step makes itself is not judged at all)."""
+    return (
+        isinstance(f.obj, list)
+        and "pipelining" in f.where
+        and " in _update_losses:" in f.where
+        and any(isinstance(x, torch.Tensor) for x in f.obj)
+    )
 
 
 def _plain(value: Any) -> bool:
