@@ -59,7 +59,7 @@ def one(model_name: str, method: str) -> dict:
     dist.init_process_group("nccl", rank=0, world_size=1)
     t = build(model_name, "cuda", seq_len=SEQ, compile_blocks=method.endswith("_compiled"))
     data = batches(t.args.vocab_size, 4, SEQ, "cuda", batch=BATCH)
-    step = train_step(t)
+    step = train_step(t, "cuda")
     captured = None
     if method.startswith("graphstep"):
         captured = graphstep.capture(step, model=t.model, optimizer=t.optimizers.optimizers)

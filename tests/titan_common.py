@@ -96,22 +96,34 @@ def build(
     return Titan(model, optimizers, lr_schedulers, spec.build_loss_fn(job), job, args, dims)
 
 
-def train_step(t: Titan) -> Callable:
-    """The recipe's step (docs/frameworks.md, "torchtitan"): torchtitan's `train_step` for one micro-batch,
-    without its scheduler step (stepped after the call) and its logging."""
+def train_step(t: Titan, device_type: str) -> Callable:
+    """The recipe's step (docs/frameworks.md, "torchtitan"): torchtitan's `train_step` and
+    `forward_backward_step` for one micro-batch, with its train context (loss parallel under TP) and its
+    autocast (bf16 on one device without FSDP), without the scheduler step (after the call) and logging."""
     from torchtitan.distributed import utils as dist_utils
 
-    model, optimizers, loss_fn = t.model, t.optimizers, t.loss_fn
-    max_norm, ep_enabled = t.job.training.max_norm, t.dims.ep_enabled
+    model, optimizers, loss_fn, job, parallel_dims = t.model, t.optimizers, t.loss_fn, t.job, t.dims
+    train_context = dist_utils.get_train_context(
+        parallel_dims.tp_enabled and not job.parallelism.disable_loss_parallel
+    )
+    maybe_enable_amp = dist_utils.maybe_enable_amp(
+        parallel_dims, job.training.mixed_precision_param, device_type
+    )
 
     def step(inputs, labels, global_valid_tokens):
         optimizers.zero_grad()
-        pred = model(inputs)
-        loss = loss_fn(pred, labels) / global_valid_tokens
-        del pred
-        loss.backward()
+        with train_context():
+            with maybe_enable_amp:
+                pred = model(inputs)
+                loss = loss_fn(pred, labels) / global_valid_tokens
+            del pred
+            loss.backward()
         grad_norm = dist_utils.clip_grad_norm_(
-            list(model.parameters()), max_norm, foreach=True, pp_mesh=None, ep_enabled=ep_enabled
+            list(model.parameters()),
+            job.training.max_norm,
+            foreach=True,
+            pp_mesh=None,
+            ep_enabled=parallel_dims.ep_enabled,
         )
         optimizers.step()
         return loss.detach(), grad_norm.detach()
@@ -124,10 +136,12 @@ def valid_tokens(labels: torch.Tensor, t: Titan) -> torch.Tensor:
     the host), handed to the step as a 0-d tensor: a replay reads its value."""
     from torchtitan.distributed import utils as dist_utils
 
+    parallel_dims = t.dims
     local = (labels != IGNORE_INDEX).sum()
-    if t.dims.dp_enabled:
-        return torch.tensor(dist_utils.dist_sum(local, t.dims.get_mesh("batch")), device=labels.device)
-    return local.float()
+    tokens = (
+        dist_utils.dist_sum(local, parallel_dims.get_mesh("batch")) if parallel_dims.dp_enabled else local
+    )
+    return torch.as_tensor(tokens, dtype=torch.float32, device=labels.device)
 
 
 def batches(vocab: int, n: int, seq_len: int, device: str, *, batch: int = 2, seed: int = 1) -> list:
@@ -161,13 +175,13 @@ def run_pair(
         for o in t.optimizers.optimizers:
             graphstep.optim.make_capturable(o, device)
     data = batches(eager.args.vocab_size, steps, eager.job.training.seq_len, device, seed=data_seed)
-    eager_step = train_step(eager)
+    eager_step = train_step(eager, device)
     wanted = []
     for x, y in data:
         wanted.append(eager_step(x, y, valid_tokens(y, eager)))
         eager.lr_schedulers.step()
     step = graphstep.capture(
-        train_step(graphed),
+        train_step(graphed, device),
         model=graphed.model,
         optimizer=graphed.optimizers.optimizers,  # the torch optimizers inside torchtitan's container
         config=config,
