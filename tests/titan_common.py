@@ -214,7 +214,7 @@ def run_pair(
         "segments": [
             getattr(s, "name", type(s).__name__)
             for life in step._lives.values()
-            for s in life.current.recording.segments
+            for s in getattr(life.current.recording, "segments", ())
         ],
         "backend": step.backend_name,
         "pool_bytes": step.stats.pool_bytes,
