@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import graphstep
 
@@ -126,7 +127,10 @@ def train_step(t: Titan, device_type: str) -> Callable:
             ep_enabled=parallel_dims.ep_enabled,
         )
         optimizers.step()
-        return loss.detach(), grad_norm.detach()
+        loss = loss.detach()
+        if isinstance(loss, DTensor):  # loss parallel (TP): a replicated DTensor, returned as a plain tensor
+            loss = loss.full_tensor()
+        return loss, grad_norm.detach()
 
     return step
 
