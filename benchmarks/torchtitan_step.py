@@ -1,8 +1,8 @@
 """Step time of torchtitan's debug models (Llama 3, DeepSeek-V3) on one GPU: eager, graphstep, with
 torchtitan's per-block `torch.compile`, eagerly and under graphstep (issue 39's bench row).
 
-Each (model, method) runs in its own process (nothing of another method's allocator, dynamo or graphs
-left over), built and trained with torchtitan's own train spec and docs/frameworks.md's recipe
+Each method runs in its own process (nothing of another method's allocator, dynamo or graphs left
+over), the two models one after the other, built and trained with torchtitan's own train spec and docs/frameworks.md's recipe
 (tests/titan_common.py): a one-rank process group, torchtitan's optimizer container (fused AdamW), its lr
 warm-up stepped after each call, batch 8 × 256 tokens. After WARMUP calls (graphstep's capture among them,
 compiling among them), TIMED calls:
@@ -32,21 +32,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = [  # in order of priority: the budget cuts from the end
-    ("llama3", "eager"),
-    ("llama3", "graphstep"),
-    ("deepseek_v3", "eager"),
-    ("deepseek_v3", "graphstep"),
-    ("llama3", "eager_compiled"),
-    ("llama3", "graphstep_compiled"),
-    ("deepseek_v3", "eager_compiled"),
-    ("deepseek_v3", "graphstep_compiled"),
-]
+MODELS = ["llama3", "deepseek_v3"]
+METHODS = ["eager", "graphstep", "eager_compiled", "graphstep_compiled"]  # the budget cuts from the end
 WARMUP, TIMED, BATCH, SEQ = 8, 30, 8, 256
 
 
-def one(model_name: str, method: str) -> dict:
-    """Runs in its own process: one model, one method."""
+def one(method: str) -> list[dict]:
+    """Runs in its own process: one method, each model in turn (the first one's step closed and freed
+    before the next is built; peak memory counted per model)."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -57,46 +52,54 @@ def one(model_name: str, method: str) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    t = build(model_name, "cuda", seq_len=SEQ, compile_blocks=method.endswith("_compiled"))
-    data = batches(t.args.vocab_size, 4, SEQ, "cuda", batch=BATCH)
-    step = train_step(t, "cuda")
-    captured = None
-    if method.startswith("graphstep"):
-        captured = graphstep.capture(step, model=t.model, optimizer=t.optimizers.optimizers)
-        step = captured
+    rows = []
+    for model_name in MODELS:
+        torch.cuda.reset_peak_memory_stats()
+        t = build(model_name, "cuda", seq_len=SEQ, compile_blocks=method.endswith("_compiled"))
+        data = batches(t.args.vocab_size, 4, SEQ, "cuda", batch=BATCH)
+        step = train_step(t, "cuda")
+        captured = None
+        if method.startswith("graphstep"):
+            captured = graphstep.capture(step, model=t.model, optimizer=t.optimizers.optimizers)
+            step = captured
 
-    def call(i: int) -> None:
-        x, y = data[i % len(data)]
-        step(x, y, valid_tokens(y, t))
-        t.lr_schedulers.step()
+        def call(i: int, step=step, t=t, data=data) -> None:
+            x, y = data[i % len(data)]
+            step(x, y, valid_tokens(y, t))
+            t.lr_schedulers.step()
 
-    for i in range(WARMUP):
-        call(i)
-    torch.cuda.synchronize()
-    host = []
-    start = time.perf_counter()
-    for i in range(TIMED):
-        before = time.perf_counter()
-        call(i)
-        host.append(time.perf_counter() - before)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    row = {
-        "model": model_name,
-        "flavor": "debugmodel",
-        "method": method,
-        "params": sum(p.numel() for p in t.model.parameters()),
-        "step_ms": wall / TIMED * 1e3,
-        "host_ms": statistics.median(host) * 1e3,
-        "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
-    }
-    if captured is not None:
-        stats = captured.stats
-        row.update(captures=stats.captures, graph_breaks=stats.graph_breaks, replays=stats.replays)
-        row["pool_mib"] = stats.pool_bytes / 2**20
-        captured.close()
+        for i in range(WARMUP):
+            call(i)
+        torch.cuda.synchronize()
+        host = []
+        start = time.perf_counter()
+        for i in range(TIMED):
+            before = time.perf_counter()
+            call(i)
+            host.append(time.perf_counter() - before)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        row = {
+            "model": model_name,
+            "flavor": "debugmodel",
+            "method": method,
+            "params": sum(p.numel() for p in t.model.parameters()),
+            "step_ms": wall / TIMED * 1e3,
+            "host_ms": statistics.median(host) * 1e3,
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+        }
+        if captured is not None:
+            stats = captured.stats
+            row.update(captures=stats.captures, graph_breaks=stats.graph_breaks, replays=stats.replays)
+            row["pool_mib"] = stats.pool_bytes / 2**20
+            captured.close()
+        rows.append(row)
+        print("ROW " + json.dumps(row), flush=True)
+        del t, step, captured, call
+        gc.collect()
+        torch.cuda.empty_cache()
     dist.destroy_process_group()
-    return row
+    return rows
 
 
 def main() -> None:
@@ -105,40 +108,41 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--budget", type=float, default=85.0, help="seconds for all methods together")
-    parser.add_argument("--one", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", metavar="METHOD", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.one:
-        print("ROW " + json.dumps(one(*a.one)), flush=True)
+        one(a.one)
         return
     from importlib.metadata import version
 
     import torch
 
     start, rows = time.monotonic(), []
-    for port, (model_name, method) in enumerate(METHODS, start=29611):
+    for port, method in enumerate(METHODS, start=29611):
         left = a.budget - (time.monotonic() - start)
         if left < 10:
-            rows.append({"model": model_name, "method": method, "skipped": "time budget spent"})
+            rows += [{"model": m, "method": method, "skipped": "time budget spent"} for m in MODELS]
             continue
         env = {**os.environ, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--one", model_name, method],
+                [sys.executable, __file__, "--one", method],
                 env=env,
                 capture_output=True,
                 text=True,
                 timeout=left,
             )
-            found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-            row = (
-                json.loads(found[0])
-                if found
-                else {"model": model_name, "method": method, "error": (done.stderr or done.stdout)[-1500:]}
-            )
-        except subprocess.TimeoutExpired:
-            row = {"model": model_name, "method": method, "skipped": f"timed out after {left:.0f} s"}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            stdout, why = done.stdout, (done.stderr or done.stdout)[-1500:]
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            why = f"timed out after {left:.0f} s"
+        found = {
+            r["model"]: r for r in (json.loads(x[4:]) for x in stdout.splitlines() if x.startswith("ROW "))
+        }
+        for m in MODELS:
+            row = found.get(m, {"model": m, "method": method, "error": why})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     gpu = torch.cuda.get_device_name()
     meta = {
         "gpu": gpu,
