@@ -212,7 +212,7 @@ def run_pair(
         "eager_losses": [float(b[0]) for b in wanted],
         "first_bad_step": first_bad,
         "params_differ": params,
-        "lr": graphed.lr_schedulers.schedulers[0].get_last_lr()[0],
+        "lr": float(graphed.lr_schedulers.schedulers[0].get_last_lr()[0]),  # a live tensor, perhaps
         "stats": dataclasses.asdict(step.stats),
         # eager segments between the graph's parts (an optimizer step moved out, a graph break)
         "segments": [
@@ -227,16 +227,26 @@ def run_pair(
     return report
 
 
-def fsdp_tp_pair(rank: int, size: int, *, steps: int = 6, dp_shard: int = 2, tp: int = 2) -> dict:
+def fsdp_tp_pair(
+    rank: int,
+    size: int,
+    *,
+    steps: int = 6,
+    dp_shard: int = 2,
+    tp: int = 2,
+    device: str = "cuda",
+    graph_backend: str = "cuda",
+) -> dict:
     """A `run_ranks` worker: torchtitan's `parallelize_llama` on a dp_shard × tp mesh (FSDP2 × TP) of the
-    Llama 3 debug model, eager twin and graphstep each parallelized the same way, in deterministic mode."""
+    Llama 3 debug model, eager twin and graphstep each parallelized the same way, in deterministic mode.
+    (`device="cpu", graph_backend="eager"`: the same code path on gloo, without graphs, to check the worker.)"""
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.use_deterministic_algorithms(True)
     return run_pair(
         "llama3",
-        "cuda",
+        device,
         steps=steps,
-        config=graphstep.Config(backend="cuda"),
+        config=graphstep.Config(backend=graph_backend),
         dims_of=lambda: parallel_dims(world_size=size, dp_shard=dp_shard, tp=tp),
         # each data-parallel rank reads its own batches, as torchtitan's dataloader gives them
         data_seed=1 + rank // tp,
