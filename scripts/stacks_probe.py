@@ -36,12 +36,11 @@ def _backend(device: str) -> graphstep.Config:
 
 @contextlib.contextmanager
 def _deterministic(device: str, warn_only: bool = False):
-    """torch's deterministic mode on CUDA. `warn_only`: for torchtitan's MoE, whose router counts
+    """torch's deterministic mode. `warn_only`: for torchtitan's MoE, whose router counts
     tokens with `torch.histc`, which has no deterministic CUDA kernel and raises otherwise (integer
-    counts are exact whatever the order); torch then warns for every op without one, in the log."""
-    if device != "cuda":
-        yield
-        return
+    counts are exact whatever the order); torch then warns for every op without one, in the log.
+    On CPU too: the DeepSeek-V3 debug model in fp32 differs eager against eager from step 2 without it
+    (its scatter-adds), which made the phase-1 CPU probe report a mismatch after the `.tolist()` fix."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was = torch.are_deterministic_algorithms_enabled()
     was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -232,7 +231,12 @@ def _ds_engine(device: str, zero: int, dtype: str, seed: int, accum: int):
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": float(os.environ.get("PROBE_DS_CLIP", "1.0")),
-        "zero_optimization": {"stage": zero},
+        # PROBE_DS_OVERLAP_COMM=0: ZeRO's overlap_comm off, which drops the accelerator.synchronize() calls
+        # its gradient reduction makes inside the backward (stage_1_and_2.py: `if self.overlap_comm:`)
+        "zero_optimization": {
+            "stage": zero,
+            "overlap_comm": os.environ.get("PROBE_DS_OVERLAP_COMM", "1") != "0",
+        },
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}},
         "steps_per_print": 10**9,
@@ -245,7 +249,13 @@ def _ds_engine(device: str, zero: int, dtype: str, seed: int, accum: int):
         }
     elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    engine, opt, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    # PROBE_DS_CAPTURE_STREAM=1 (CUDA): the engine built on graphstep's capture stream, as DDP must be: ZeRO's
+    # gradient hooks and accumulators are made at initialize, and autograd runs them on that stream
+    on_capture_stream = device == "cuda" and os.environ.get("PROBE_DS_CAPTURE_STREAM") == "1"
+    with torch.cuda.stream(graphstep.capture_stream()) if on_capture_stream else contextlib.nullcontext():
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, config=config, model_parameters=model.parameters()
+        )
     return engine, opt
 
 

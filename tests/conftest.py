@@ -34,6 +34,7 @@ LAST = (
     "test_integrations_accelerate",
     "test_integrations_huggingface",
     "test_integrations_lightning",
+    "test_integrations_torchtitan",
 )
 
 

@@ -404,8 +404,8 @@ def test_item_for_logging_names_returning_the_tensor():
 
 
 def test_tolist_for_logging_names_returning_the_tensor():
-    """A CPU tensor's tolist() reads memory without an ATen call (the recording backend cannot see
-    it); on a GPU it copies to the host: the hint as a CUDA capture's error reaches it."""
+    """On a GPU tolist() copies to the host: the hint as a CUDA capture's error reaches it (the recording
+    backend refuses it too: tests/test_recording_backend.py)."""
     frames = [traceback.FrameSummary("/home/me/train.py", 9, "step", line="log.append(out.mean(0).tolist())")]
     hint = host_sync_hint(frames, "CUDA error: operation not permitted when stream is capturing")
     assert "return the tensor" in hint and ".tolist()" in hint, hint

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import graphstep
+from graphstep.errors import HostSyncError
 
 
 class CheckpointedNet(torch.nn.Module):
@@ -111,3 +113,71 @@ def test_a_state_set_from_the_callers_tensor_is_read_at_each_replay():
     assert step.stats.replays >= 3, step.stats
     assert all(torch.equal(a, b) for a, b in zip(losses, wanted)), (losses, wanted)
     assert torch.equal(w, w_eager)
+
+
+class SplitBySize(torch.nn.Module):
+    """Sizes a slice with a value read on the host, as torchtitan's for-loop MoE experts split tokens
+    (`torch.split(x, counts.tolist())`)."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.read = read
+
+    def forward(self, x):
+        n = self.read((x[:, 0] > 0).sum())
+        return self.proj(x[:n]).sum() + self.proj(x[n:]).pow(2).sum()
+
+
+_READS = {
+    "tolist": lambda t: t.tolist(),
+    "numpy": lambda t: int(t.numpy()),
+    "asarray": lambda t: int(np.asarray(t)),
+}
+
+
+@pytest.mark.parametrize("read", sorted(_READS))
+def test_a_size_read_with_tolist_or_numpy_breaks_the_graph_never_bakes(read):
+    """`tolist()` / `numpy()` read memory without an ATen call: the recording backend once baked the
+    size read at capture into every replay (wrong losses from the first replay). Now a host sync: the
+    module that reads becomes a graph break, and every step is bitwise eager's."""
+    torch.manual_seed(0)
+    model = SplitBySize(_READS[read])
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+
+    def make(m, opt):
+        def step(x):
+            loss = m(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        return step
+
+    config = graphstep.Config(backend="recording", warmup_steps=1)
+    step = graphstep.capture(make(model, opts[0]), model=model, optimizer=opts[0], config=config)
+    eager = make(twin, opts[1])
+    g = torch.Generator().manual_seed(1)
+    for i in range(5):  # each batch has another number of rows with x[:, 0] > 0
+        x = torch.randn(8, 4, generator=g)
+        assert torch.equal(step(x), eager(x)), f"step {i}"
+    assert step.stats.graph_breaks == 1 and step.stats.replays >= 2
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_tolist_in_the_step_function_is_refused_with_its_line():
+    w = torch.nn.Parameter(torch.randn(4))
+
+    def step(x):
+        n = (x > 0).sum().tolist()
+        return x[:n].sum() + w.sum()
+
+    captured = graphstep.capture(step, config=graphstep.Config(backend="recording", warmup_steps=1))
+    report = graphstep.explain(captured, torch.randn(8))  # the dry run names it too
+    assert any("tolist()" in h for h in report.hazards), report.hazards
+    captured(torch.randn(8))
+    with pytest.raises(HostSyncError, match=r"n = \(x > 0\)\.sum\(\)\.tolist\(\)") as info:
+        captured(torch.randn(8))
+    assert "return the tensor" in str(info.value) and captured.stats.replays == 0

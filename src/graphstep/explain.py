@@ -13,12 +13,14 @@ state the step itself writes (a replay does not write it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
 from . import effects
 from . import signature as sig
 from .backends import library_segments
+from .backends.recording import python_host_reads
 from .backends.undo import UndoLog
 from .capture import CapturedStep
 from .diagnostics import HostSyncWatch
@@ -238,6 +240,8 @@ def _dry_run(
         arguments = sig.non_tensor_arguments(args, kwargs)
         with (
             HostSyncWatch(cuda=backend.name == "cuda", locate=locate) as watch,
+            # `tolist()` / `numpy()` read a CPU tensor without an ATen call the watch could see
+            python_host_reads(lambda _: watch.note()) if backend.name != "cuda" else contextlib.nullcontext(),
             library_segments.calls_as_segments("explain", capturing=False) as segments,
             ReadWatch(arguments) as reads,
             draws,

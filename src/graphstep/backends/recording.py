@@ -7,7 +7,8 @@ each tensor through a detached alias (so its *storage* is what is remembered, as
 remembers an address). A replay re-runs exactly those operations on exactly that memory,
 writing fresh results into the recorded output buffers. Hence the pitfalls of real graphs
 show up on a CPU: a parameter whose `.data` was replaced is not updated, a float
-learning rate changed by hand is ignored, and a result read with `.item()` cannot be captured.
+learning rate changed by hand is ignored, and a result read with `.item()` or `.tolist()` cannot be
+captured.
 
 Capture raises for operations that would synchronise a CUDA stream with the host, as a real
 capture does, and undoes the writes the step made before it failed.
@@ -31,7 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -85,6 +90,15 @@ class _Recorder(UndoLog):
         """Record `op()` (no arguments, no result) to run at its place in the replay."""
         if not self.paused:
             self.parts[-1].append((op, (), {}, _HOST_OP))
+
+    def python_read(self, what: str) -> None:
+        """`what` (`Tensor.tolist()`, `Tensor.numpy()`) read a tensor's memory outside ATen: refused as
+        a host sync, as a CUDA capture refuses its copy to the host (in an eager segment it may read)."""
+        if not self.paused:
+            raise RuntimeError(
+                f"operation not permitted when stream is capturing: {what} copies a tensor's values to the "
+                "host (simulated by graphstep's recording backend)"
+            )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -168,6 +182,7 @@ class RecordingBackend(HostBackend):
             with (
                 no_compiling() if MODES_KEEP_COMPILED else contextlib.nullcontext(),
                 recorder,
+                python_host_reads(recorder.python_read),
                 _pretend_capturing(),
                 _recording_rng_state(recorder),
                 _WorkWaits(recorder),
@@ -337,3 +352,49 @@ def _pretend_capturing() -> Iterator[None]:
         yield
     finally:
         torch.cuda.is_current_stream_capturing = original
+
+
+_PYTHON_READS = ("tolist", "numpy")
+"""`Tensor` methods that read a CPU tensor's memory in C++, with no ATen call a dispatch mode could see
+(`np.asarray(t)` and `t.__array__()` go through `numpy`); on a GPU each copies to the host."""
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo")
+
+
+@contextlib.contextmanager
+def python_host_reads(on_read: Callable[[str], None]) -> Iterator[None]:
+    """`on_read("Tensor.tolist()")` before each `tolist()` / `numpy()` on this thread while inside.
+
+    The recording backend sees host reads as ATen operations (`.item()`, `bool(t)`, `int(t)`,
+    `operator.index(t)` are `_local_scalar_dense`), but these two read memory directly: unwatched, the
+    value read at capture (a split size, a loop count) would be baked into every replay. graphstep's
+    own reads (error messages, host random state) are its business, not the step's: a direct call from
+    graphstep's code (its demo aside) is not reported."""
+    owner = threading.get_ident()
+    saved = {name: torch.Tensor.__dict__.get(name) for name in _PYTHON_READS}
+
+    def watched(name: str) -> Callable[..., Any]:
+        read = getattr(torch.Tensor, name)  # the C method, or an enclosing watch's wrapper
+
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == owner and not _graphstep_caller(sys._getframe(1)):
+                on_read(f"Tensor.{name}()")
+            return read(self, *args, **kwargs)
+
+        return method
+
+    for name in _PYTHON_READS:
+        setattr(torch.Tensor, name, watched(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
+def _graphstep_caller(frame: FrameType) -> bool:
+    path = frame.f_code.co_filename
+    return path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR)
