@@ -178,3 +178,25 @@ def test_a_sparse_embedding_with_padding_idx_is_refused_with_what_to_change():
     assert torch.equal(weight, model.emb.weight), "refused before anything ran"
     eager = graphstep.capture(step, model=model, optimizer=opt, config=graphstep.Config(backend="eager"))
     eager(_batches(1)[0])  # the eager backend runs it as eager does
+
+
+@pytest.mark.parametrize("name, fused", [("SGD", False), ("AdamW", True)])
+def test_dtensor_parameters_are_fused_only_where_dtensor_shards_the_fused_kernel(tmp_path, name, fused):
+    """Under FSDP2 / tensor parallelism the parameters are DTensors; torch 2.11's DTensor had no rule for
+    SGD's fused kernel (its first step raised NotImplementedError on two H100s) but has for Adam's. A
+    group whose kernel DTensor cannot shard keeps the user's implementation, saying why."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from graphstep.optim import table
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+        why = table.why_not_fused([weight], torch.device("cpu"), name=name)
+        assert ("DTensor" in why) != fused, why
+    finally:
+        dist.destroy_process_group()

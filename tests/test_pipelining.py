@@ -80,8 +80,8 @@ def test_a_receive_unlike_its_send_at_capture_is_refused_on_every_rank():
             f"rank {rank}: {report}"
         )
         message = report["message"]
-        assert "rank 0 sent 1 tensor (first: float32[4]" in message, message
-        assert "rank 1 received 1 tensor (first: int32[4]" in message, message
+        assert "rank 0 sent 1 tensor (first: float32x4" in message, message
+        assert "rank 1 received 1 tensor (first: int32x4" in message, message
         assert report["stats"]["captures"] == 0 and report["stats"]["replays"] == 0
 
 

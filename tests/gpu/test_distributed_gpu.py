@@ -220,9 +220,17 @@ def test_a_rank_that_exits_mid_run_stops_the_others_within_seconds(at, world):
 # -- automatic graph breaks with ranks ---------------------------------------------------------------
 
 
+SPLIT_BUCKETS = pytest.mark.xfail(
+    reason="seen on 2 and 4 H100s (2026-11-27): the capture fails with 'CUDA error: invalid argument' in the "
+    "backward (a bucket's all-reduce issued in one backward graph, waited for in another); a CaptureError, "
+    "nothing lost, not yet supported",
+    strict=False,
+)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("sparse", ["every_rank", "last_rank"])
-@pytest.mark.parametrize("kind", ["ddp", "ddp_buckets", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("ddp_buckets", marks=SPLIT_BUCKETS), "fsdp"])
 def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind, sparse, world):
     """An MoE layer's token dispatch reads its per-expert counts on the host (`bincount`, `int`, a Python
     loop over the experts): the capture stops inside it, on every rank or only on the last (the others'

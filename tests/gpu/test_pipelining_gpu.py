@@ -92,7 +92,7 @@ def test_a_receive_unlike_its_send_at_capture_is_refused_on_both_ranks():
         assert report["error"] == "CollectiveMismatchError" and report["call"] == warmups, (
             f"rank {rank}: {report}"
         )
-        assert "rank 1 received 1 tensor (first: int32[4]" in report["message"], report
+        assert "rank 1 received 1 tensor (first: int32x4" in report["message"], report
         assert report["stats"]["captures"] == 0
 
 

@@ -11,7 +11,7 @@ keeps a `CommLog` instead: per process group, the sequence of its collectives; p
 sequence of tensors sent from one to the other, as the sender and as the receiver saw it. At the end of
 a call that ran the step eagerly or captured it, the ranks compare their logs (one gather of a short
 text): every member of a group must have issued the same collectives, every receive must match its
-send (order, dtype, shape). A difference raises `CollectiveMismatchError` on every rank naming the
+send (order, dtype, number of elements). A difference raises `CollectiveMismatchError` on every rank naming the
 group or the pair, before any rank replays a graph that would hang or mix data.
 
 What this gives up against the collective-by-collective check: a stage that fails in the middle of a
@@ -47,7 +47,9 @@ class CommLog:
     def p2p(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A send (`self.rank` to its peer) or a receive (peer to `self.rank`), by global ranks."""
         tensors, group, peer = _p2p_arguments(func, args, kwargs)
-        text = " ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+        # By dtype and size, not shape: a 0-d tensor sent into a one-element buffer is the same data
+        # (pipelining's first call does so on NCCL: seen on two H100s)
+        text = " ".join(f"{str(t.dtype).removeprefix('torch.')}x{t.numel()}" for t in tensors)
         if func._opname == "send":
             name = f"{self.rank}>{_global(group, peer)}"
         elif func._opname == "recv_":

@@ -56,7 +56,7 @@ def plan(optimizer: Optimizer, device: torch.device | str, sparse: Collection[in
         differentiable = bool(group.get("differentiable"))
         capturable = "capturable" in group and on_device and not differentiable
         chooses = name is not None and table.user_chose_neither(name, group, device)
-        kept = table.why_not_fused(list(group["params"]), device, sparse) if chooses else ""
+        kept = table.why_not_fused(list(group["params"]), device, sparse, name) if chooses else ""
         fuse = chooses and not kept
         impl = "fused" if fuse else table.implementation(group)
         live: Mapping[str, Any] = {}

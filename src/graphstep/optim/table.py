@@ -202,12 +202,20 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The parameter dtypes torch's fused SGD/Adam/AdamW kernels update (float8 is floating point too)."""
 
 
-def why_not_fused(params: list, device: torch.device, sparse: Collection[int] = ()) -> str:
-    """Why torch's fused kernel would refuse these parameters on `device` (empty: it takes them)."""
+def why_not_fused(
+    params: list, device: torch.device, sparse: Collection[int] = (), name: str | None = None
+) -> str:
+    """Why torch's fused kernel would refuse these parameters on `device` (empty: it takes them).
+    `name`: the optimizer's class in the table (which fused kernel its step calls)."""
     if not fused_kernel_takes(params, device):
         return (
             f"torch's fused kernels take only plain floating-point tensors, all on {device.type}: "
             "its parameters are not"
+        )
+    if any(type(p).__name__ == "DTensor" for p in params) and not _dtensor_shards_fused(name):
+        return (
+            f"its parameters are DTensors (FSDP2, tensor parallel), and this torch's DTensor has no "
+            f"sharding rule for the fused {name} kernel"
         )
     dtypes = sorted({str(p.dtype) for p in params if p.dtype not in FUSED_DTYPES})
     if dtypes:
@@ -215,6 +223,27 @@ def why_not_fused(params: list, device: torch.device, sparse: Collection[int] = 
     if any(id(p) in sparse or (p.grad is not None and p.grad.is_sparse) for p in params):
         return SPARSE_NOT_FUSED
     return ""
+
+
+def _dtensor_shards_fused(name: str | None) -> bool:
+    """Whether DTensor has a sharding rule for `name`'s fused kernel (Adam and AdamW have; SGD had
+    none on torch 2.11: its first step raised NotImplementedError under FSDP2, seen on two H100s)."""
+    kernel = {
+        "SGD": "_fused_sgd_",
+        "Adam": "_fused_adam",
+        "AdamW": "_fused_adamw_",
+        "Adagrad": "_fused_adagrad_",
+    }
+    if name not in kernel:
+        return False
+    try:
+        import torch.distributed.tensor._ops  # noqa: F401  (registers the rules)
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    rules = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return any(str(op).startswith(f"aten.{kernel[name]}") for t in tables for op in getattr(rules, t, {}))
 
 
 SPARSE_NOT_FUSED = (
