@@ -176,6 +176,8 @@ def capture_variant(
             if isinstance(error, GraphStepError)
             else capture_error(ctx.name, error, ctx.state.named_modules_roots())
         )
+        if ctx.breaks.made and "invalid argument" in str(error) and _has_ddp(ctx.state.modules):
+            converted = CaptureError(f"{converted}\n{DDP_BUCKETS_AROUND_A_BREAK}")
         if ctx.ranks is None and backend.static_buffers and is_out_of_memory(error):
             # Not a graph break or an optimizer to move: the same step fits once memory is free. (The
             # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
@@ -222,3 +224,16 @@ def capture_variant(
         ctx.modes.epoch,
         inputs=inputs,
     )
+
+
+DDP_BUCKETS_AROUND_A_BREAK = (
+    "With graph breaks under DistributedDataParallel this is what happens when a gradient bucket's "
+    "all-reduce is issued in the backward before a break's segment and waited for after it (DDP with "
+    "several buckets; seen on H100s, not yet supported). One bucket avoids it: "
+    "DistributedDataParallel(..., bucket_cap_mb=) above the size of the parameters' gradients in MiB."
+)
+
+
+def _has_ddp(modules: Any) -> bool:
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return any(isinstance(m, ddp) for root in modules for m in root.modules())
