@@ -70,3 +70,37 @@ def test_an_agreed_error_is_recognised_through_the_error_that_wraps_it():
     except CaptureError as outer:
         assert collectives.is_agreed(outer)
     assert not collectives.is_agreed(RuntimeError("another"))
+
+
+def test_an_error_raised_while_the_caller_handles_an_agreed_one_is_reported_to_the_other_ranks():
+    """Every rank raised `first` in one call; the caller handles it and calls again, and this rank alone
+    raises `second` (its context is `first`). `second` is this rank's own: the next vote must carry it.
+    Within one call, an error raised from an agreed one stays agreed."""
+    from graphstep.distributed.collectives import is_agreed, mark_agreed
+    from graphstep.distributed.ranks import Ranks
+
+    ranks = object.__new__(Ranks)  # note_failure needs no process group
+    ranks._failure = None
+    first = RuntimeError("stopped on every rank")
+    mark_agreed(first)
+    ranks.note_failure(first)
+    assert ranks._failure is None
+    try:
+        try:
+            raise first
+        except RuntimeError:
+            raise ValueError("this rank only, in the next call")  # noqa: B904 (as a caller would)
+    except ValueError as second:
+        assert second.__context__ is first and not is_agreed(second)
+        ranks.note_failure(second)
+    assert ranks._failure is not None and "this rank only" in ranks._failure[1]
+
+    third = RuntimeError("stopped on every rank")
+    mark_agreed(third)
+    try:
+        try:
+            raise third
+        except RuntimeError as exc:
+            raise KeyError("graphstep's own wrapping, same call") from exc
+    except KeyError as wrapped:
+        assert is_agreed(wrapped)

@@ -358,6 +358,7 @@ _PYTHON_READS = ("tolist", "numpy")
 """`Tensor` methods that read a CPU tensor's memory in C++, with no ATen call a dispatch mode could see
 (`np.asarray(t)` and `t.__array__()` go through `numpy`); on a GPU each copies to the host."""
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo")
 
 
@@ -377,7 +378,7 @@ def python_host_reads(on_read: Callable[[str], None]) -> Iterator[None]:
         read = getattr(torch.Tensor, name)  # the C method, or an enclosing watch's wrapper
 
         def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == owner and not _graphstep_caller(sys._getframe(1)):
+            if threading.get_ident() == owner and not _graphstep_caller(_outside_torch(sys._getframe(1))):
                 on_read(f"Tensor.{name}()")
             return read(self, *args, **kwargs)
 
@@ -395,6 +396,14 @@ def python_host_reads(on_read: Callable[[str], None]) -> Iterator[None]:
                 setattr(torch.Tensor, name, method)
 
 
-def _graphstep_caller(frame: FrameType) -> bool:
-    path = frame.f_code.co_filename
+def _graphstep_caller(frame: FrameType | None) -> bool:
+    path = frame.f_code.co_filename if frame is not None else ""
     return path.startswith(_PACKAGE_DIR) and not path.startswith(_DEMO_DIR)
+
+
+def _outside_torch(frame: FrameType | None) -> FrameType | None:
+    """The first frame from `frame` up that is not torch's: who asked torch for the read (graphstep's
+    vote exchanges its texts through `torch.distributed.all_gather_object`, which calls `numpy()`)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame

@@ -77,13 +77,22 @@ def mark_agreed(error: BaseException) -> None:
 
 
 def is_agreed(error: BaseException) -> bool:
-    seen = 0
-    while error is not None and seen < 8:
+    """Whether every rank raised `error` (or the error it was raised from, in this call). The walk stops
+    at an error an earlier call raised (`mark_reported`): one the step's caller is handling while it
+    calls again is the context of that call's errors, not their cause."""
+    steps = 0
+    while error is not None and steps < 8 and not getattr(error, "__graphstep_reported__", False):
         if getattr(error, "__graphstep_agreed__", False):
             return True
         error = error.__cause__ or error.__context__
-        seen += 1
+        steps += 1
     return False
+
+
+def mark_reported(error: BaseException) -> None:
+    """`error` left a call of the step: the errors of later calls raised while it is handled are theirs."""
+    with contextlib.suppress(AttributeError):
+        error.__graphstep_reported__ = True  # type: ignore[attr-defined]
 
 
 def describe_error(error: BaseException) -> str:

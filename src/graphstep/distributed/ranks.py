@@ -45,6 +45,7 @@ from .collectives import (
     failure_code,
     is_agreed,
     mark_agreed,
+    mark_reported,
 )
 
 log = logging.getLogger("graphstep")
@@ -185,8 +186,8 @@ class Ranks:
 
     def relayed(self, error: BaseException) -> bool:
         """Whether `error` is (or was raised from) the error this call's checked collectives raised because
-        of another rank, rather than this rank's own. (Not `is_agreed`: an error raised while the step's
-        caller handles an earlier agreed one carries that one as its context.)"""
+        of another rank, rather than this rank's own. (Not `is_agreed`: this rank's own error is marked
+        agreed too, once every rank knows of it.)"""
         stopped = self._together.error if self._together is not None else None
         seen = 0
         while error is not None and stopped is not None and seen < 8:
@@ -206,6 +207,7 @@ class Ranks:
         tells the others."""
         if not is_agreed(error):
             self._failure = (failure_code(error) or ERROR, describe_error(error))
+        mark_reported(error)
 
 
 def ranks_for(process_group: object | None) -> Ranks | None:
