@@ -28,7 +28,7 @@ from typing import Any
 
 import preload
 
-PORT_TAKEN = "port taken"
+INIT_FAILED = "init failed"
 
 
 def _free_port() -> int:
@@ -65,11 +65,10 @@ def _main(
             dist.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
             )
-        except Exception as exc:  # the free port was taken before rank 0 listened on it: run_ranks retries
-            if "EADDRINUSE" in str(exc):
-                out.put((rank, PORT_TAKEN, str(exc)))
-                return
-            raise
+        except Exception as exc:  # the free port was taken before rank 0 listened on it (EADDRINUSE), or
+            # a peer's failure there closed this rank's connection: run_ranks starts them all again
+            out.put((rank, INIT_FAILED, f"{type(exc).__name__}: {exc}"))
+            return
         result = worker(rank, size, **kwargs)
         if destroy and dist.is_initialized():
             dist.destroy_process_group()
@@ -90,16 +89,18 @@ def run_ranks(
     **kwargs: Any,
 ) -> list[Any]:
     # A port found free can be taken (by NCCL's own sockets, another test's ranks) before rank 0
-    # listens on it: then every rank stops before the worker runs, and the ranks start again.
+    # listens on it, and a rank failing there closes its peers' connections: then every rank stops
+    # before the worker runs, and the ranks start again on another port.
+    last = ""
     for _ in range(3):
         try:
             return _run_once(worker, size, backend, timeout, destroy, env, exits, kwargs)
-        except _PortTaken:
-            continue
-    raise AssertionError("three free ports in a row were taken before rank 0 listened on them")
+        except _InitFailed as failed:
+            last = str(failed)
+    raise AssertionError(f"the process group could not be set up three times in a row; last: {last}")
 
 
-class _PortTaken(Exception):
+class _InitFailed(Exception):
     pass
 
 
@@ -142,7 +143,7 @@ def _run_once(
     gone: dict[int, int] = {}  # ranks whose process ended without reporting: exit code
     deadline = time.monotonic() + timeout
     suspects: set[int] = set()
-    port_taken = False
+    init_failed = ""
     try:
         # Until every rank reported or ended, one failed (the others are then likely stuck in a
         # collective with it), or time is up.
@@ -155,18 +156,18 @@ def _run_once(
                 gone.update({r: procs[r].exitcode for r in ended & suspects})
                 suspects = ended - set(gone)
                 continue
-            if status == PORT_TAKEN:
-                port_taken = True
+            if status == INIT_FAILED:
+                init_failed = value
                 break
             (results if status == "ok" else errors)[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=10 if not (errors or port_taken) else 1)
+            p.join(timeout=10 if not (errors or init_failed) else 1)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if port_taken:
-        raise _PortTaken
+    if init_failed:
+        raise _InitFailed(init_failed)
     if errors:
         rank, trace = sorted(errors.items())[0]
         raise AssertionError(f"rank {rank} of {size} failed:\n{trace}")
