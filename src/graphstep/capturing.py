@@ -26,6 +26,7 @@ from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
 from .distributed.breaks import agree_on_breaks
+from .distributed.ranks import ddp_modules
 from .effects import host_random
 from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
 from .guards.module_inputs import ModuleInputs
@@ -176,10 +177,8 @@ def capture_variant(
             if isinstance(error, GraphStepError)
             else capture_error(ctx.name, error, ctx.state.named_modules_roots())
         )
-        if ctx.breaks.made and "invalid argument" in str(error) and _has_ddp(ctx.state.modules):
+        if ctx.breaks.made and "invalid argument" in str(error) and ddp_modules(ctx.state.modules):
             converted = CaptureError(f"{converted}\n{DDP_BUCKETS_AROUND_A_BREAK}")
-        elif "legacy stream depend on a capturing" in str(error) and _has_deepspeed(ctx.state.modules):
-            converted = CaptureError(f"{converted}\n{DEEPSPEED_ON_THE_DEFAULT_STREAM}")
         if ctx.ranks is None and backend.static_buffers and is_out_of_memory(error):
             # Not a graph break or an optimizer to move: the same step fits once memory is free. (The
             # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
@@ -234,19 +233,3 @@ DDP_BUCKETS_AROUND_A_BREAK = (
     "several buckets; seen on H100s, not yet supported). One bucket avoids it: "
     "DistributedDataParallel(..., bucket_cap_mb=) above the size of the parameters' gradients in MiB."
 )
-
-
-DEEPSPEED_ON_THE_DEFAULT_STREAM = (
-    "The step trains a DeepSpeed engine: like DDP, it keeps gradient hooks made on the stream it was "
-    "built on. Build it inside `with torch.cuda.stream(graphstep.capture_stream()):` (deepspeed.initialize). "
-    "DeepSpeed's ZeRO steps are not supported whole yet (docs/frameworks.md, 'DeepSpeed: not yet')."
-)
-
-
-def _has_deepspeed(modules: Any) -> bool:
-    return any(type(root).__name__ == "DeepSpeedEngine" for root in modules)
-
-
-def _has_ddp(modules: Any) -> bool:
-    ddp = torch.nn.parallel.DistributedDataParallel
-    return any(isinstance(m, ddp) for root in modules for m in root.modules())

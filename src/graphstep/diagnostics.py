@@ -108,8 +108,9 @@ _LIKELY_CAUSES = (
     (
         ("legacy stream depend on a capturing",),
         "autograd runs part of the backward on the default CUDA stream, which no graph can capture: "
-        "a module kept state made on it. DistributedDataParallel keeps its gradient accumulators on the "
-        "stream it was constructed on: construct it inside `with torch.cuda.stream(graphstep.capture_stream()):`",
+        "a module kept state made on it. DistributedDataParallel and a DeepSpeed engine keep their gradient "
+        "hooks on the stream they were built on: construct DDP (or call deepspeed.initialize) inside "
+        "`with torch.cuda.stream(graphstep.capture_stream()):`",
     ),
     (
         ("not permitted when stream is capturing", "StreamCaptureUnsupported", "StreamCaptureImplicit"),

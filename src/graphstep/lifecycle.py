@@ -71,10 +71,12 @@ def _plan(life: Lifecycle) -> Plan:
     """What this rank would do with a call, before the ranks agree: replay, switch to a variant that
     fits, warm up, capture (a first graph, a variant, again), or run eagerly (stale, churn)."""
     plan = _wanted(life)
+    if plan.phase is not Phase.CAPTURE:  # most calls (a replay): nothing more to ask
+        return plan
     ctx = life.ctx
-    if plan.phase is Phase.CAPTURE and ctx.ranks is not None and ctx.ranks.ddp_rebuilding:
+    if ctx.ranks is not None and ctx.ranks.ddp_rebuilding:
         return Plan(Phase.EAGER, "warm")  # DDP rebuilds its buckets in an eager forward first
-    if plan.phase is Phase.CAPTURE and ctx.pipelines and ctx.pipelines_initialise():
+    if ctx.pipelines and ctx.pipelines_initialise():
         # A pipeline schedule initialises its stages in this call (its shapes exchanged on the host):
         # eagerly, in one more warm-up; the next call captures.
         why = "a pipeline schedule initialises its stages (after schedule.eval(), say)"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -76,17 +77,20 @@ def mark_agreed(error: BaseException) -> None:
         error.__graphstep_agreed__ = True  # type: ignore[attr-defined]
 
 
-def is_agreed(error: BaseException) -> bool:
-    """Whether every rank raised `error` (or the error it was raised from, in this call). The walk stops
-    at an error an earlier call raised (`mark_reported`): one the step's caller is handling while it
-    calls again is the context of that call's errors, not their cause."""
-    steps = 0
-    while error is not None and steps < 8 and not getattr(error, "__graphstep_reported__", False):
-        if getattr(error, "__graphstep_agreed__", False):
-            return True
+def raised_from(error: BaseException | None) -> Iterator[BaseException]:
+    """`error` and the errors it was raised from or while handling, in this call: the walk stops at an
+    error an earlier call raised (`mark_reported`), which the step's caller is handling while it calls
+    again, the context of that call's errors, not their cause."""
+    for _ in range(8):
+        if error is None or getattr(error, "__graphstep_reported__", False):
+            return
+        yield error
         error = error.__cause__ or error.__context__
-        steps += 1
-    return False
+
+
+def is_agreed(error: BaseException) -> bool:
+    """Whether every rank raised `error` (or an error it was raised from, in this call)."""
+    return any(getattr(e, "__graphstep_agreed__", False) for e in raised_from(error))
 
 
 def mark_reported(error: BaseException) -> None:
@@ -237,9 +241,6 @@ class Together:
 
     def gather_text(self, text: str) -> list[str]:
         """Every rank's `text` (each rank calls it in the same call): the vote's exchange, not the step's."""
-        return self._gather(text)
-
-    def _gather(self, text: str) -> list[str]:
         self._exchanging = True
         try:
             return self.board.gather_text(text)
@@ -253,20 +254,20 @@ class Together:
         if failed:
             rank, code = self.board.size - failed // KINDS, failed % KINDS
             self.failed = (rank, code)
-            texts = self._gather(describe_error(failure) if failure is not None else "")
+            texts = self.gather_text(describe_error(failure) if failure is not None else "")
             self._stop(self._failure_error(rank, code, texts[rank]))
         elif p2p:  # some rank sends or receives: no more votes until the end (`p2p.py`)
             self.lockstep, self.switched = False, True
         elif high != low:
             here = f"collective #{self.count + 1}: {collective}" if collective else None
-            texts = self._gather(here or f"none: the step ended after {self.count} collectives")
+            texts = self.gather_text(here or f"none: the step ended after {self.count} collectives")
             self._stop(CollectiveMismatchError(self._mismatch_message(texts)))
         elif high == 0:  # every rank's step ended, and none failed
             self.ended = True
 
     def _compare_logs(self) -> None:
         """Every rank's step succeeded without lockstep: compare what the ranks exchanged."""
-        texts = self._gather(self.log.summary())
+        texts = self.gather_text(self.log.summary())
         found = mismatch(texts)
         if found is None:
             return

@@ -46,6 +46,7 @@ from .collectives import (
     is_agreed,
     mark_agreed,
     mark_reported,
+    raised_from,
 )
 
 log = logging.getLogger("graphstep")
@@ -189,12 +190,7 @@ class Ranks:
         of another rank, rather than this rank's own. (Not `is_agreed`: this rank's own error is marked
         agreed too, once every rank knows of it.)"""
         stopped = self._together.error if self._together is not None else None
-        seen = 0
-        while error is not None and stopped is not None and seen < 8:
-            if error is stopped:
-                return True
-            error, seen = error.__cause__ or error.__context__, seen + 1
-        return False
+        return stopped is not None and any(e is stopped for e in raised_from(error))
 
     def gather_text(self, text: str) -> list[str]:
         """Every rank's `text`, by rank (every rank calls it in the same call; a rare path: explaining a
@@ -234,12 +230,16 @@ def prepare_ddp(modules: Iterable[nn.Module]) -> bool:
     Besides its first 10 iterations (covered by DDP_WARMUP_STEPS), DDP samples timings every
     100th iteration, and a re-capture could land on one: sample every 2**31 instead.
     """
-    ddp = [
-        m for root in modules for m in root.modules() if isinstance(m, nn.parallel.DistributedDataParallel)
-    ]
+    ddp = ddp_modules(modules)
     for m in ddp:
         m._set_ddp_runtime_logging_sample_rate(2**31 - 1)
     return bool(ddp)
+
+
+def ddp_modules(modules: Iterable[nn.Module]) -> list[nn.parallel.DistributedDataParallel]:
+    """The DDP modules among `modules` and their submodules."""
+    ddp = nn.parallel.DistributedDataParallel
+    return [m for root in modules for m in root.modules() if isinstance(m, ddp)]
 
 
 def recover_ddp(modules: Iterable[nn.Module]) -> bool:
@@ -256,9 +256,7 @@ def recover_ddp(modules: Iterable[nn.Module]) -> bool:
     another order (NCCL's ring splits a bucket by position), and differs in the last bits.
     """
     reset = False
-    for m in (m for root in modules for m in root.modules()):
-        if not isinstance(m, nn.parallel.DistributedDataParallel):
-            continue
+    for m in ddp_modules(modules):
         try:
             m.reducer._reset_state()
         except (AttributeError, RuntimeError) as exc:  # private API of DDP's reducer
