@@ -122,19 +122,7 @@ def train_pipeline(
             step = graphstep.capture(step, model=mods, optimizer=opt, config=graphstep.Config(backend=graphs))
         losses = [step(x, y) for x, y in data]
         runs.append((mods, losses, step))
-    (em, el, _), (gm, gl, step) = runs
-    report = {
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(el, gl, strict=True)),
-        "params_equal": all(
-            torch.equal(_local(a), _local(b))
-            for ma, mb in zip(em, gm)
-            for a, b in zip(ma.parameters(), mb.parameters(), strict=True)
-        ),
-        "stats": dataclasses.asdict(step.stats),
-        "backend": step.backend_name,
-    }
-    step.close()
-    return report
+    return _compared(runs)
 
 
 def outer_losses_list(rank: int, size: int, *, steps: int = 5, graphs: str = "recording") -> dict:
@@ -219,19 +207,7 @@ def train_gpt_pipeline(
             step = graphstep.capture(step, model=part.modules, optimizer=part.optimizer, config=config)
         losses = [step(x, y) for x, y in data]
         runs.append((part.modules, losses, step))
-    (em, el, _), (gm, gl, step) = runs
-    report = {
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(el, gl, strict=True)),
-        "params_equal": all(
-            torch.equal(_local(a), _local(b))
-            for ma, mb in zip(em, gm)
-            for a, b in zip(ma.parameters(), mb.parameters(), strict=True)
-        ),
-        "stats": dataclasses.asdict(step.stats),
-        "backend": step.backend_name,
-    }
-    step.close()
-    return report
+    return _compared(runs)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -343,4 +319,22 @@ def stage_fails_mid_step(rank: int, size: int, *, failing: int = 0, call: int = 
             report.update(error=type(exc).__name__, message=str(exc)[:600], call=i)
             break
     report["waited_s"] = round(time.monotonic() - start, 1)
+    return report
+
+
+def _compared(runs: list) -> dict:
+    """The eager run against the captured one (each: modules, losses, step): losses and parameters
+    bitwise, the captured step's counters; the captured step closed."""
+    (em, el, _), (gm, gl, step) = runs
+    report = {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(el, gl, strict=True)),
+        "params_equal": all(
+            torch.equal(_local(a), _local(b))
+            for ma, mb in zip(em, gm)
+            for a, b in zip(ma.parameters(), mb.parameters(), strict=True)
+        ),
+        "stats": dataclasses.asdict(step.stats),
+        "backend": step.backend_name,
+    }
+    step.close()
     return report
