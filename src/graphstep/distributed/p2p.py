@@ -162,7 +162,12 @@ def initialises(schedule: Any) -> bool:
         forward = getattr(schedule, "_stages_forward_initialized", True)
         backward = getattr(schedule, "_stages_backward_initialized", True)
     has_backward = getattr(schedule, "_has_backward", False)
-    return not forward or (has_backward and not backward)
+    if not forward or (has_backward and not backward):
+        return True
+    # torch 2.11 keeps the stages initialised across `schedule.eval()` but leaves each stage's own
+    # has_backward False after it; the next step sets it back (a write a capture would refuse).
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    return any(getattr(stage, "has_backward", has_backward) != has_backward for stage in stages if stage)
 
 
 def _assigned(cell: Any) -> bool:

@@ -293,6 +293,15 @@ def recover_fsdp(modules: Iterable[nn.Module], *, after_capture: bool) -> None:
             log.warning("graphstep: could not reset FSDP2 after the failed call (%s): recreate it", exc)
 
 
+def _param_groups(state: object) -> list:
+    """An FSDP2 state's parameter groups: a list on newer torch, one group or None up to torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def _reset_fsdp_without_waiting(state: object) -> None:
     """FSDP2's per-iteration state back to idle, parameters sharded; nothing in flight is waited for."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -310,7 +319,7 @@ def _reset_fsdp_without_waiting(state: object) -> None:
     for s in getattr(context, "all_states", [state]):
         getattr(s, "_modules_to_run_forward", set()).clear()
         s._training_state = TrainingState.IDLE
-        for group in s._fsdp_param_groups:
+        for group in _param_groups(s):
             for attr in (a for a in dropped if hasattr(group, a)):
                 setattr(group, attr, None)
             getattr(group, "_post_forward_indices", []).clear()
