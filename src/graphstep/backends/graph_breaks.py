@@ -104,13 +104,13 @@ class GraphBreaks:
         self.refused = None
         if target is None:
             return None
-        if target[0] == "module" and self.refused_by_fsdp(target[1], target[2]):
-            return None
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if target[0] == "module" and self.refused_by_fsdp(target[1], target[2], why):
+            return None
         line = where(error.__traceback__) if not written else "the Python state it writes on every call"
         return (*target, line, why)
 
-    def refused_by_fsdp(self, module: torch.nn.Module, name: str) -> bool:
+    def refused_by_fsdp(self, module: torch.nn.Module, name: str, why: str) -> bool:
         """A module with parameters inside an FSDP2 unit cannot run as a segment (sets `refused`): FSDP2's
         hooks, captured in the graphs around it, swap the module's parameters between their gathered and
         sharded forms in Python, which a replay does not run, so between graphs the segment would find
@@ -122,9 +122,9 @@ class GraphBreaks:
         if unit is None:
             return False
         self.refused = (
-            f"the capture stopped inside {name}, which holds parameters that FSDP2 (fully_shard, unit "
-            f"{unit}) gathers and frees around it: as an eager segment between graphs it would not find them "
-            "gathered. Move the part no graph can record into a module without parameters (a dispatch that "
+            f"the capture stopped inside {name} ({why}), which holds parameters that FSDP2 (fully_shard, "
+            f"unit {unit}) gathers and frees around it: as an eager segment between graphs it would not find "
+            "them gathered. Move the part no graph can record into a module without parameters (a dispatch that "
             "takes the expert outputs, say), keep it on the device, or run this step without graphstep."
         )
         return True

@@ -146,32 +146,20 @@ def per_stage_graphs(
         if index == 0:
             sample = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
         else:
-            sample = torch.zeros(micro_batch, seq_len, embd, device=device, requires_grad=True)
-        _warm_up(module, sample)
+            sample = torch.zeros(micro_batch, seq_len, embd, device=device)
+        needs_grad = index != 0  # (stage 0 takes token ids)
         copies = []
         for _ in range(micro_batches):
             # A module gets its graphed forward as an instance attribute: take it, and give the module
-            # back its own forward before the next capture (which must not capture a replay). Warmed up
-            # above: torch's own warm-up (on a stream of its own) keeps its autograd graph alive into the
-            # capture, and on torch 2.11 a capture whose backward accumulates through a node made on
-            # another stream fails ("would make the legacy stream depend on a capturing blocking stream").
-            sample_args = (sample.clone().requires_grad_(sample.requires_grad),)
-            torch.cuda.make_graphed_callables(module, sample_args, num_warmup_iters=0)
+            # back its own forward before the next capture (which must not capture a replay). Each sample
+            # is a leaf: a clone of a tensor that requires grad has autograd history, and the backward's
+            # capture would reach back to where it was made ("would make the legacy stream depend on a
+            # capturing blocking stream").
+            torch.cuda.make_graphed_callables(module, (sample.clone().requires_grad_(needs_grad),))
             copies.append(module.__dict__.pop("forward"))
         return _InTurn(module, copies)
 
     return graphed
-
-
-def _warm_up(module: nn.Module, sample: Tensor, iterations: int = 3) -> None:
-    """Forward and backward of `module` on copies of `sample`, gradients taken, not accumulated; nothing
-    of it outlives the call."""
-    for _ in range(iterations):
-        x = sample.clone().requires_grad_(sample.requires_grad)
-        out = module(x)
-        wrt = [p for p in module.parameters() if p.requires_grad] + ([x] if x.requires_grad else [])
-        torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-        del x, out
 
 
 class _InTurn(nn.Module):
