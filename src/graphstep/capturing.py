@@ -26,7 +26,6 @@ from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
 from .distributed.breaks import agree_on_breaks
-from .distributed.fsdp_parts import events_again_in_each_part, fsdp_states
 from .distributed.ranks import ddp_modules
 from .effects import host_random
 from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
@@ -79,10 +78,7 @@ def capture_variant(
         else None
     )
 
-    fsdp = fsdp_states(ctx.state.modules) if ctx.ranks is not None else []
-
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
-        splitter = events_again_in_each_part(splitter, fsdp)
         with (
             # Host random draws are refused, the generators put back (eager segments may draw).
             host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,

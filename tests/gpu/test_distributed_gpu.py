@@ -222,7 +222,7 @@ def test_a_rank_that_exits_mid_run_stops_the_others_within_seconds(at, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("sparse", ["every_rank", "last_rank"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp"])
 def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind, sparse, world):
     """An MoE layer's token dispatch reads its per-expert counts on the host (`bincount`, `int`, a Python
     loop over the experts): the capture stops inside it, on every rank or only on the last (the others'
@@ -230,25 +230,41 @@ def test_automatic_graph_breaks_at_an_moe_layer_are_the_same_on_every_rank(kind,
     rank's failure). Every rank breaks at both MoE layers (one break: every module of that class), warms
     up once more in the same call and captures on the next. Under DDP the break is the dispatch module
     with the experts' parameters (their gradients all-reduced in the graph after the segments' backward);
-    under FSDP2 the host sync sits in a `Combine` without parameters (a module holding FSDP2-managed
-    parameters cannot be a break: the next test), with the experts run densely in the graphs. Bitwise
-    equal to eager on every rank, replays included. (With one bucket, as here, every DDP all-reduce is in
-    the last graph; FSDP2's reduce-scatter of the second block is issued before the first block's segment
-    backward.)"""
+    Bitwise equal to eager on every rank, replays included. (With one bucket, as here, every DDP
+    all-reduce is in the last graph.) FSDP2: `test_graph_breaks_under_fsdp2_are_refused_with_the_way_out`."""
     steps = 20
     sparse_on = None if sparse == "every_rank" else (world - 1,)
-    fsdp = kind == "fsdp"
-    reports = nccl(train_with_breaks, world, kind=kind, sparse_on=sparse_on, steps=steps, combine=fsdp)
-    where = "model.blocks.{}.moe.combine" if fsdp else "model.module.blocks.{}.moe"
+    reports = nccl(train_with_breaks, world, kind=kind, sparse_on=sparse_on, steps=steps)
+    where = "model.module.blocks.{}.moe"
     for rank, report in enumerate(reports):
         assert report["backend"] == "cuda" and report["error"] is None, f"rank {rank}: {report}"
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
         assert report["breaks"] == [where.format(0), where.format(1)], f"rank {rank}: {report}"
         stats = report["stats"]
         assert stats["graph_breaks"] == 1 and stats["captures"] == 1, f"rank {rank}: {stats}"
-        extra = 1 if fsdp else 2  # DDP, reset after the stopped capture, rebuilds its buckets in two calls
-        assert stats["warmup_calls"] == report["warmups_needed"] + extra, f"rank {rank}: {stats}"
+        # DDP, reset after the stopped capture, rebuilds its buckets in two calls
+        assert stats["warmup_calls"] == report["warmups_needed"] + 2, f"rank {rank}: {stats}"
         assert stats["warmup_calls"] + stats["replays"] == steps, f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sparse", ["every_rank", "last_rank"])
+def test_graph_breaks_under_fsdp2_are_refused_with_the_way_out(sparse, world):
+    """FSDP2 and a break at a module without parameters (the host sync in a `Combine`, the experts run
+    densely in the graphs): the break is made on every rank, and the capture split by it fails in FSDP2's
+    stream events (recorded in one part, waited for in another: "CUDA error: invalid argument" on H100s,
+    2026-11-27). Not supported yet: every rank raises a CaptureError in the same call that names FSDP2
+    and the ways out, and nothing is lost."""
+    sparse_on = None if sparse == "every_rank" else (world - 1,)
+    reports = nccl(train_with_breaks, world, kind="fsdp", sparse_on=sparse_on, steps=8, combine=True)
+    for rank, report in enumerate(reports):
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["breaks"] == ["model.blocks.0.moe.combine", "model.blocks.1.moe.combine"], report
+        error = report["error"]
+        assert error is not None and error["error"] == "CaptureError", f"rank {rank}: {report}"
+        assert report["stats"]["captures"] == 0, f"rank {rank}: {report}"
+    assert len({report["error"]["call"] for report in reports}) == 1, reports
+    assert any("Graph breaks under FSDP2 are not supported yet" in r["error"]["message"] for r in reports)
 
 
 @pytest.mark.parametrize("world", WORLDS)
