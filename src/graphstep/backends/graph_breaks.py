@@ -58,16 +58,6 @@ class Break:
     undo: Callable[[], None]
 
 
-FSDP2_AROUND_A_BREAK = (
-    "FSDP2 orders its all-gathers and reduce-scatters with CUDA events, and a break inside a module it "
-    "wraps leaves events recorded in one part of the capture and waited for in another, which CUDA "
-    'refuses ("invalid argument"; recorded again in the later part: "dependency created on uncaptured '
-    'work"; H100s, torch 2.11). Graph breaks under FSDP2 are not supported yet. Instead: keep the host '
-    "read out of the step (on the device), use DistributedDataParallel (breaks work with one bucket), or "
-    "run this step without graphstep."
-)
-
-
 class GraphBreaks:
     """The graph breaks of one captured step."""
 
@@ -131,11 +121,6 @@ class GraphBreaks:
         unit = max((p for p in units if name == p or name.startswith(p + ".")), key=len, default=None)
         if unit is None:
             return False
-        if self.made and ("invalid argument" in why or "uncaptured work" in why):  # FSDP2's own ordering
-            self.refused = (
-                f"the capture split by graph breaks stopped in FSDP2 ({why}). {FSDP2_AROUND_A_BREAK}"
-            )
-            return True
         self.refused = (
             f"the capture stopped inside {name} ({why}), which holds parameters that FSDP2 (fully_shard, "
             f"unit {unit}) gathers and frees around it: as an eager segment between graphs it would not find "

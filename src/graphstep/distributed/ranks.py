@@ -236,6 +236,11 @@ def prepare_ddp(modules: Iterable[nn.Module]) -> bool:
     return bool(ddp)
 
 
+def fsdp_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules FSDP2 wraps (`fully_shard`) among `modules` and their submodules."""
+    return [m for root in modules for m in root.modules() if hasattr(m, "_get_fsdp_state")]
+
+
 def ddp_modules(modules: Iterable[nn.Module]) -> list[nn.parallel.DistributedDataParallel]:
     """The DDP modules among `modules` and their submodules."""
     ddp = nn.parallel.DistributedDataParallel
