@@ -153,8 +153,9 @@ def main() -> None:
         if kind in PIPELINES:  # every stage reads the same batches (first stage the tokens, last the targets)
             data = make_batches(TINY, batch_size=BATCH, n_batches=warmup + args.steps, seed=0, device=device)
             rows.append(pipeline_row(kind, device, data, warmup, args.pipeline_hand_written))
-            if rank == 0:
+            if rank == 0:  # written after every row: a later row that fails keeps the earlier ones
                 print(rows[-1], flush=True)
+                write(rows, None, size, args)
             continue
         mesh = mesh_2d("cuda") if kind in KINDS_2D else None
         # Tensor-parallel ranks share batches; on the 2-D mesh, ranks of one data-parallel index do.
@@ -178,13 +179,15 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
+            write(rows, None, size, args)
     vote = {method: vote_us(method, 2000 if cuda else 50) for method in ("shm", "gloo")}
     if rank == 0:
         write(rows, vote, size, args)
     dist.destroy_process_group()
 
 
-def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespace) -> None:
+def write(rows: list, vote: dict[str, float] | None, size: int, args: argparse.Namespace) -> None:
+    """The results so far (`vote`: None until the last row has run)."""
     result = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "gpus": size,
@@ -202,7 +205,7 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
             "torch.cuda.make_graphed_callables of each stage, one per micro-batch, schedule and optimizer eager"
         ),
         "rows": rows,
-        "vote_us_median": {method: round(us, 1) for method, us in vote.items()},
+        "vote_us_median": None if vote is None else {method: round(us, 1) for method, us in vote.items()},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,13 +226,15 @@ def write(rows: list, vote: dict[str, float], size: int, args: argparse.Namespac
         f"{_shown(r['graphstep_vs_hand_written'])} |"
         for r in rows
     ]
-    lines += [
-        "",
-        f"graphstep's vote before each call (median): shared memory {vote['shm']:.1f} µs, "
-        f"gloo all-reduce {vote['gloo']:.1f} µs",
-    ]
+    if vote is not None:
+        lines += [
+            "",
+            f"graphstep's vote before each call (median): shared memory {vote['shm']:.1f} µs, "
+            f"gloo all-reduce {vote['gloo']:.1f} µs",
+        ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and .md", flush=True)
+    if vote is not None:
+        print(f"wrote {stem}.json and .md", flush=True)
 
 
 def _shown(value: object) -> str:
