@@ -150,3 +150,34 @@ def test_schedule_eval_between_captured_training_calls():
         warmups = graphstep.Config().warmup_steps
         assert stats["captures"] == 2 and stats["warmup_calls"] == warmups + 1, f"rank {rank}: {stats}"
         assert stats["replays"] == 2, f"rank {rank}: {stats}"
+
+
+class _Stage:
+    def __init__(self, has_backward: bool):
+        self.has_backward = has_backward
+
+
+class _Schedule:
+    """The attributes `p2p.initialises` reads of a single-stage schedule, as torch 2.11 leaves them."""
+
+    def __init__(self, *, forward: bool, backward: bool, stage_backward: bool):
+        self._stage_forward_initialized, self._stage_backward_initialized = forward, backward
+        self._has_backward = True
+        self._stage = _Stage(stage_backward)
+
+
+@pytest.mark.parametrize(
+    ("forward", "backward", "stage_backward", "expected"),
+    [
+        (False, False, False, True),  # the first call: shapes exchanged on the host
+        (True, False, True, True),  # after eval() on torch 2.13: backward set up again
+        (True, True, False, True),  # after eval() on torch 2.11: the stage's flag left False
+        (True, True, True, False),  # a training call after training calls
+    ],
+)
+def test_a_call_that_sets_up_a_stage_again_is_one_more_warm_up(forward, backward, stage_backward, expected):
+    """`p2p.initialises`: whether the schedule's next step would write its stages' set-up (a capture would
+    refuse the write; graphstep makes that call one more warm-up). torch 2.11 keeps the stages initialised
+    across `schedule.eval()` but leaves each stage's `has_backward` False until the next step."""
+    schedule = _Schedule(forward=forward, backward=backward, stage_backward=stage_backward)
+    assert p2p.initialises(schedule) is expected
