@@ -447,9 +447,9 @@ def test_ddp_needs_eleven_warmups_and_stops_sampling_timings():
 def test_fsdp2_parameter_groups_are_found_on_every_torch():
     """FSDP2's state holds a list of parameter groups on newer torch, one group (or None) up to 2.11;
     graphstep's reset after a stopped call finds them either way."""
-    from graphstep.distributed.ranks import _param_groups
-
     from types import SimpleNamespace
+
+    from graphstep.distributed.ranks import _param_groups
 
     group = object()
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]
