@@ -283,11 +283,7 @@ def recover_fsdp(modules: Iterable[nn.Module], *, after_capture: bool) -> None:
     (no stream outside it may wait on them, and the capture ran nothing), so the state is reset without
     waiting (`after_capture`), as on older torch.
     """
-    roots = []
-    for m in (m for root in modules for m in root.modules()):
-        state = getattr(m, "_get_fsdp_state", None)
-        if state is not None and getattr(state(), "_is_root", False):
-            roots.append(m)
+    roots = [m for m in fsdp_modules(modules) if getattr(m._get_fsdp_state(), "_is_root", False)]
     for root in roots:
         try:
             if hasattr(root, "reset_iter_state") and not after_capture:
