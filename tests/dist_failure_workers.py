@@ -135,3 +135,52 @@ def one_rank_exits_mid_run(rank: int, size: int, *, leaving: int, at: str) -> di
     report["stats"] = dataclasses.asdict(captured.stats)
     # No close() nor destroy_process_group: NCCL's teardown waits for every rank, and one is gone.
     return report
+
+
+def graphs_after_a_ddp_reset(rank: int, size: int, *, failing: int) -> dict:
+    """Two signatures of one DDP step (batches of 4 and of 2 rows). The first is captured and replayed;
+    then the second's capture raises on rank `failing` before its backward, so every rank stops that
+    call and DDP is reset and rebuilds its gradient buckets. The first signature's graph copies gradients
+    into the buckets DDP had before: the next call of it must capture again, not replay. Compared with
+    an eager DDP twin on every call that did not raise (`params_equal`)."""
+    device = _device(rank)
+    warmups = distributed_warmups()  # DDP's, on every device
+    (m_e, o_e), (m_g, o_g) = [
+        (m := _ddp(_mlp(device), device), torch.optim.SGD(m.parameters(), lr=0.05)) for _ in range(2)
+    ]
+    small_runs = iter(range(1, 1000))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 2 and next(small_runs) == warmups + 1 and rank == failing:
+            raise RuntimeError(f"boom before backward on rank {rank}")
+        loss = torch.nn.functional.mse_loss(m_g(x), y)
+        loss.backward()
+        o_g.step()
+        o_g.zero_grad()
+        return loss.detach()
+
+    captured = graphstep.capture(step, model=m_g, optimizer=o_g)
+    eager = _plain_step(m_e, o_e)
+    big = _mlp_data(warmups + 3, device)
+    small = [(x[:2], y[:2]) for x, y in _mlp_data(warmups + 4, device)]
+    calls = big + small + big[:2]
+    errors, losses_equal, captures_before_last = [], True, None
+    for i, (x, y) in enumerate(calls):
+        if i == len(calls) - 2:
+            captures_before_last = captured.stats.captures
+        try:
+            got = captured(x, y)
+        except Exception as exc:  # every rank stops this call: the twin skips its batch too
+            errors.append({"call": i, "error": type(exc).__name__})
+            continue
+        losses_equal = losses_equal and torch.equal(got, eager(x, y))
+    report = {
+        "errors": errors,
+        "losses_equal": losses_equal,
+        "params_equal": _same_params(m_e, m_g),
+        "captures_before_last": captures_before_last,
+        "first_small_call": len(big),
+        "warmups": warmups,
+        "stats": captured.stats,
+    }
+    return _finish(report, captured)

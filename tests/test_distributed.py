@@ -16,7 +16,11 @@ import torch.distributed as dist
 
 import graphstep
 from dist_break_workers import train_with_breaks
-from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
+from dist_failure_workers import (
+    graphs_after_a_ddp_reset,
+    one_rank_exits_mid_run,
+    one_rank_out_of_memory_at_capture,
+)
 from dist_workers import (
     agree_at_random,
     destroy_with_open_step,
@@ -455,3 +459,17 @@ def test_fsdp2_parameter_groups_are_found_on_every_torch():
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]
     assert _param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
     assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_a_graph_captured_before_ddp_was_reset_is_captured_again():
+    """A graph of one signature holds the gradient buckets DDP had when it was captured. After another
+    signature's capture stops on one rank, every rank resets DDP and it rebuilds its buckets (two eager
+    calls); the first signature's next call captures again on every rank instead of replaying into the
+    replaced buckets, and training stays equal to an eager DDP twin."""
+    reports = run_ranks(graphs_after_a_ddp_reset, 2, failing=1)
+    for rank, report in enumerate(reports):
+        warmups, first_small = report["warmups"], report["first_small_call"]
+        assert report["errors"] == [{"call": first_small + warmups, "error": "CaptureError"}], report
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        # big: one capture; small: one after the failed one and DDP's two rebuilding calls; big again
+        assert report["captures_before_last"] == 2 and report["stats"]["captures"] == 3, report

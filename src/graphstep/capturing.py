@@ -51,6 +51,8 @@ class Variant:
     last_used: int = 0
     inputs: ModuleInputs | None = None
     """Input-like attributes of modules (a BlockMask set per batch): loaded before every replay."""
+    ddp_resets: int = 0
+    """`Ranks.ddp_resets` at capture: the DDP buckets this graph copies gradients into."""
 
 
 def capture_variant(
@@ -227,6 +229,7 @@ def capture_variant(
         ctx.optim.state_layout(),
         ctx.modes.epoch,
         inputs=inputs,
+        ddp_resets=ctx.ranks.ddp_resets if ctx.ranks is not None else 0,
     )
 
 

@@ -51,7 +51,8 @@ class Plan:
     kind: str
     """"warm", "capture" (the first graph), "replay", "variant" (a graph for new guarded values,
     the others kept), "recapture" (counted), "switch" (an optimizer moved to an eager segment),
-    "rewarm" (optimizer state of another layout: warm up once more), "stale", "churn" (a value
+    "rewarm" (optimizer state of another layout: warm up once more), "ddp" (DDP rebuilt its buckets
+    after a stopped call: every graph of the step captured again, not counted), "stale", "churn" (a value
     changes on every call: run eagerly instead of capturing, see `guards/churn.py`), "pipeline" (a
     pipeline schedule initialises its stages in this call: one more warm-up, `distributed/p2p.py`)."""
     changes: tuple[str, ...] = ()
@@ -64,6 +65,11 @@ _REWARM = {
     "rewarm": "optimizer state changes its layout (loaded, or created for a layer that trains again)",
     "pipeline": "a pipeline schedule initialises its stages in this call (a host exchange of shapes)",
 }
+_DDP_REBUILT = Plan(
+    Phase.CAPTURE,
+    "ddp",
+    ("DDP was reset after a stopped call and rebuilt its gradient buckets: the graph's are gone",),
+)
 _ALONE = Agreement(Phase.REPLAY, None, None)  # a replay with no other rank to agree with
 
 
@@ -105,6 +111,8 @@ def _wanted(life: Lifecycle) -> Plan:
         return Plan(Phase.CAPTURE, "capture")
     if current.modes_epoch != ctx.modes.epoch:
         return Plan(Phase.CAPTURE, "switch", ("an optimizer moved to an eager segment",))
+    if ctx.ranks is not None and current.ddp_resets != ctx.ranks.ddp_resets:
+        return _DDP_REBUILT
     if current.guard is None or current.guard.holds():
         return _REPLAY
     if life.churn.still_waiting(life.replays):  # cheap: no changes() while a value churns
@@ -227,7 +235,7 @@ class Lifecycle:
                 _listed(plan.changes),
             )
             return self.capture(leaves, args, kwargs, replaced=self._evict_for_room())
-        if plan.kind in ("replay", "switch"):  # not counted
+        if plan.kind in ("replay", "switch", "ddp"):  # not counted
             changes = plan.changes or (f"rank {agreed.held_back_by} captures, and ranks capture together",)
             log.info("graphstep: capturing %s again:\n%s", ctx.name, _listed(changes))
             return self.capture(leaves, args, kwargs, replaced=self._take_all())

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from dist_break_workers import train_with_breaks
-from dist_failure_workers import one_rank_exits_mid_run, one_rank_out_of_memory_at_capture
+from dist_failure_workers import (
+    graphs_after_a_ddp_reset,
+    one_rank_exits_mid_run,
+    one_rank_out_of_memory_at_capture,
+)
 from dist_workers import (
     destroy_with_open_step,
     leave_step_open,
@@ -172,6 +176,20 @@ def test_a_warmup_failing_on_one_rank_fails_all_in_the_same_call_and_all_go_on(w
         expected = "RuntimeError" if rank == failing else "RankFailedError"
         assert report["call"] == 2 and report["error"] == expected, f"rank {rank}: {report}"
         assert report["then"] == {"call": 3, "error": None}, f"rank {rank}: {report}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_graph_captured_before_ddp_was_reset_is_captured_again(world):
+    """One signature's graph holds the DDP buckets of its capture; another signature's capture stops on
+    the last rank, DDP is reset and rebuilds its buckets (the old ones freed): the first signature's
+    next call captures again on every rank instead of replaying into freed memory; bitwise equal to
+    an eager DDP twin on every call."""
+    reports = nccl(graphs_after_a_ddp_reset, world, failing=world - 1)
+    for rank, report in enumerate(reports):
+        warmups, first_small = report["warmups"], report["first_small_call"]
+        assert report["errors"] == [{"call": first_small + warmups, "error": "CaptureError"}], report
+        assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
+        assert report["captures_before_last"] == 2 and report["stats"]["captures"] == 3, report
 
 
 @pytest.mark.parametrize("world", WORLDS)

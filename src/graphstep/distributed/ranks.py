@@ -100,6 +100,10 @@ class Ranks:
         self.ddp_rebuilding = 0
         """Eager calls still to come before a capture: after a reset, DDP rebuilds its buckets in the
         second call's forward (`recover_ddp`). The same on every rank: all reset in the same call."""
+        self.ddp_resets = 0
+        """How many times DDP was reset (`recover_ddp`): a graph captured before the last reset copies
+        gradients into buckets DDP has since replaced (their memory free for other tensors), so it is
+        captured again instead of replayed (lifecycle.py). The same on every rank."""
         self.pipelined = False
         """Some rank sent or received point to point in an earlier call: no collective-by-collective
         votes (`p2p.py`). The same on every rank (they learn it from the same vote)."""
@@ -183,6 +187,7 @@ class Ranks:
         """A rank stopped inside its backward: DDP expects the rest of it; or inside a forward: FSDP2 too."""
         if recover_ddp(modules):
             self.ddp_rebuilding = 2
+            self.ddp_resets += 1
         recover_fsdp(modules, after_capture=after_capture)
 
     def relayed(self, error: BaseException) -> bool:
