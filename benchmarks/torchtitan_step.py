@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -35,6 +36,19 @@ HERE = Path(__file__).resolve().parent
 MODELS = ["llama3", "deepseek_v3"]
 METHODS = ["eager", "graphstep", "eager_compiled", "graphstep_compiled"]  # the budget cuts from the end
 WARMUP, TIMED, BATCH, SEQ = 8, 30, 8, 256
+
+
+class _GraphstepLog(logging.Handler):
+    """The first lines graphstep logs for a row (INFO and above), shortened: kept in the row's JSON."""
+
+    def __init__(self, keep: int = 12) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.keep = keep
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) < self.keep:
+            self.lines.append(record.getMessage()[:400])
 
 
 def one(method: str) -> list[dict]:
@@ -58,10 +72,12 @@ def one(method: str) -> list[dict]:
         t = build(model_name, "cuda", seq_len=SEQ, compile_blocks=method.endswith("_compiled"))
         data = batches(t.args.vocab_size, 4, SEQ, "cuda", batch=BATCH)
         step = train_step(t, "cuda")
-        captured = None
+        captured, said = None, _GraphstepLog()
         if method.startswith("graphstep"):
             captured = graphstep.capture(step, model=t.model, optimizer=t.optimizers.optimizers)
             step = captured
+            logging.getLogger("graphstep").addHandler(said)
+            logging.getLogger("graphstep").setLevel(logging.INFO)
 
         def call(i: int, step=step, t=t, data=data) -> None:
             x, y = data[i % len(data)]
@@ -92,6 +108,8 @@ def one(method: str) -> list[dict]:
             stats = captured.stats
             row.update(captures=stats.captures, graph_breaks=stats.graph_breaks, replays=stats.replays)
             row["pool_mib"] = stats.pool_bytes / 2**20
+            row["graphstep_log"] = said.lines  # what graphstep decided: segments, breaks, eager optimizers
+            logging.getLogger("graphstep").removeHandler(said)
             captured.close()
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
