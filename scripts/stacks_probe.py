@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import sys
 import traceback
@@ -28,6 +27,8 @@ import traceback
 import torch
 
 import graphstep
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 
 def _backend(device: str) -> graphstep.Config:
@@ -100,42 +101,6 @@ def _one_rank(device: str, port: str) -> None:
 # ---------------------------------------------------------------- torchtitan
 
 
-def _titan_build(name: str, flavor: str, device: str, seq_len: int, seed: int):
-    from torchtitan.config import JobConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    if device == "cpu":  # torchtitan takes "cuda" when no accelerator is found; its meshes then fail on CPU
-        import torchtitan.distributed.parallel_dims as titan_dims
-
-        titan_dims.device_type = "cpu"
-    spec = get_train_spec(name)
-    job = JobConfig()
-    job.model.name, job.model.flavor = name, flavor
-    job.training.seq_len, job.training.steps, job.training.max_norm = seq_len, 20, 1.0
-    job.lr_scheduler.warmup_steps = 3  # the lr changes every step of the probe
-    job.optimizer.implementation = os.environ.get("PROBE_OPT_IMPL", "fused")  # torchtitan default: lr is live
-    job.activation_checkpoint.mode = os.environ.get("PROBE_AC", "none")
-    args = copy.deepcopy(spec.model_args[flavor])
-    args.update_from_config(job)
-    moe = getattr(args, "moe_args", None)
-    if moe is not None and device == "cpu":
-        moe.use_grouped_mm = False  # torch._grouped_mm is CUDA-only (sm90+): the for-loop experts
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model = spec.parallelize_fn(model, dims, job)
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device(device))
-    model.train()
-    opts = spec.build_optimizers_fn([model], job.optimizer, dims)
-    scheds = spec.build_lr_schedulers_fn(opts, job.lr_scheduler, job.training.steps)
-    loss_fn = spec.build_loss_fn(job)
-    return model, opts, scheds, loss_fn, job, args
-
-
 def _titan_step(model, opts, scheds, loss_fn, job, sched_inside: bool):
     from torchtitan.distributed import utils as dist_utils
 
@@ -157,29 +122,41 @@ def _titan_step(model, opts, scheds, loss_fn, job, sched_inside: bool):
     return step
 
 
-def _cpu_histc() -> None:
-    """torchtitan's MoE router counts tokens per expert with `torch.histc` on int64 indices, which
-    torch implements on CUDA only ("histogram_cpu" not implemented for 'Long'). On CPU the probe
-    counts the same integers in float32 (exact for these small counts) to get past the router."""
-    histc = torch.histc
-
-    def cpu_histc(x, *args, **kwargs):
-        if x.device.type == "cpu" and not x.is_floating_point():
-            return histc(x.float(), *args, **kwargs).to(x.dtype)
-        return histc(x, *args, **kwargs)
-
-    torch.histc = cpu_histc
-
-
 def titan(
     part: str, name: str, flavor: str, device: str, steps: int, sched_inside: bool, inner: bool
 ) -> None:
+    from titan_common import histc_on_cpu
+
     _one_rank(device, "29531")
-    if device == "cpu" and name == "deepseek_v3":
-        _cpu_histc()
+    with histc_on_cpu() if device == "cpu" and name == "deepseek_v3" else contextlib.nullcontext():
+        _titan(part, name, flavor, device, steps, sched_inside, inner)
+
+
+def _titan(
+    part: str, name: str, flavor: str, device: str, steps: int, sched_inside: bool, inner: bool
+) -> None:
+    from titan_common import build  # tests/titan_common.py: the model built by torchtitan's train spec
+
     seq_len = 64
-    model, opts, scheds, loss_fn, job, args = _titan_build(name, flavor, device, seq_len, seed=0)
-    twin, t_opts, t_scheds, t_loss_fn, _, _ = _titan_build(name, flavor, device, seq_len, seed=0)
+    knobs = {
+        "ac": os.environ.get("PROBE_AC", "none"),
+        "implementation": os.environ.get("PROBE_OPT_IMPL", "fused"),
+    }
+    made, twin_made = (build(name, device, flavor=flavor, seq_len=seq_len, **knobs) for _ in range(2))
+    model, opts, scheds, loss_fn, job, args = (
+        made.model,
+        made.optimizers,
+        made.lr_schedulers,
+        made.loss_fn,
+        made.job,
+        made.args,
+    )
+    twin, t_opts, t_scheds, t_loss_fn = (
+        twin_made.model,
+        twin_made.optimizers,
+        twin_made.lr_schedulers,
+        twin_made.loss_fn,
+    )
     if _first_difference(model, twin):
         print(f"RESULT {part}: ERROR the two builds differ before training")
         return

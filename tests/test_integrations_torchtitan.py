@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torchtitan.models.llama3", reason="needs torchtitan (pip install graphstep[torchtitan])")
 
 import graphstep
-from titan_common import run_pair
+from titan_common import histc_on_cpu, run_pair
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
@@ -51,23 +51,15 @@ def one_rank_cpu():
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    histc = torch.histc
-
-    def cpu_histc(x, *args, **kwargs):
-        if x.device.type == "cpu" and not x.is_floating_point():
-            return histc(x.float(), *args, **kwargs).to(x.dtype)
-        return histc(x, *args, **kwargs)
-
     was, was_warn = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    torch.histc = cpu_histc
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield
+        with histc_on_cpu():
+            yield
     finally:
-        torch.histc = histc
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
         if made:
             dist.destroy_process_group()

@@ -14,10 +14,11 @@ torchtitan is absent, and by `run_ranks` workers (tests/ranks.py: a worker lives
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +40,25 @@ class Titan:
     dims: Any
 
 
+@contextlib.contextmanager
+def histc_on_cpu() -> Iterator[None]:
+    """torchtitan's MoE router counts tokens per expert with `torch.histc` of int64 indices, which torch
+    implements on CUDA only ("histogram_cpu" not implemented for 'Long'): on a CPU, counted in float32
+    (exact for these small counts) while the context lasts."""
+    histc = torch.histc
+
+    def cpu_histc(x, *args, **kwargs):
+        if x.device.type == "cpu" and not x.is_floating_point():
+            return histc(x.float(), *args, **kwargs).to(x.dtype)
+        return histc(x, *args, **kwargs)
+
+    torch.histc = cpu_histc
+    try:
+        yield
+    finally:
+        torch.histc = histc
+
+
 def parallel_dims(world_size: int = 1, dp_shard: int = 1, tp: int = 1):
     from torchtitan.distributed import ParallelDims
 
@@ -58,10 +78,12 @@ def build(
     compile_blocks: bool = False,
     dims: Any = None,
     seed: int = 0,
+    implementation: str = "fused",
 ) -> Titan:
     """torchtitan's model `name` (`llama3`, `deepseek_v3`), flavour `flavor`, built and parallelized by
     its train spec. `n_layers` cuts the debug model shorter (CPU tests); `ac`: torchtitan's activation
-    checkpointing mode (`none`, `full`, `selective`); `compile_blocks`: torchtitan's per-block compile."""
+    checkpointing mode (`none`, `full`, `selective`); `compile_blocks`: torchtitan's per-block compile;
+    `implementation`: its optimizers' (`fused`, its default; `foreach`, `for-loop`)."""
     from torchtitan.config import JobConfig
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -75,6 +97,7 @@ def build(
     job.training.seq_len, job.training.steps, job.training.max_norm = seq_len, 100, 1.0
     job.lr_scheduler.warmup_steps = 4  # the lr changes at every step of a test
     job.activation_checkpoint.mode = ac
+    job.optimizer.implementation = implementation
     job.compile.enable, job.compile.components = compile_blocks, ["model"]
     args = copy.deepcopy(spec.model_args[flavor])
     if n_layers is not None:
