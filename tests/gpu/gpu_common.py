@@ -45,6 +45,22 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
     return step
 
 
+def lm_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    """`train_step` for a transformers causal LM: `step(ids)` predicts the ids themselves, `step(ids,
+    labels)` the labels."""
+
+    def step(ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids if labels is None else labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def batches(n: int, batch_size: int = 4, cfg: GPTConfig = SMALL, seed: int = 0) -> list:
     return make_batches(cfg, batch_size=batch_size, n_batches=n, seed=seed, device="cuda")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_common import deterministic, needs_cuda
+from gpu_common import deterministic, lm_step, needs_cuda
 
 import graphstep
 
@@ -112,19 +112,6 @@ def mixtral(implementation):
         experts_implementation=implementation,
     )
     return lambda: transformers.MixtralForCausalLM(config)
-
-
-def lm_step(model, opt):
-    def step(ids, labels):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from gpu_common import deterministic, needs_cuda, transformers_capture_path
+from gpu_common import deterministic, lm_step, needs_cuda, transformers_capture_path
 
 import graphstep
 
@@ -113,19 +113,6 @@ def expected_breaks(family: str, implementation: str, aux: bool, weights: torch.
         "grouped_mm": 0 if grouped_mm_without_host_read(weights) else 1,
     }[implementation]
     return experts + int(aux and aux_loss_reads_the_host(family))
-
-
-def lm_step(model, opt):
-    def step(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
 
 
 def peak_of(run) -> tuple[list, int]:
