@@ -473,3 +473,25 @@ def test_a_graph_captured_before_ddp_was_reset_is_captured_again():
         assert report["losses_equal"] and report["params_equal"], f"rank {rank}: {report}"
         # big: one capture; small: one after the failed one and DDP's two rebuilding calls; big again
         assert report["captures_before_last"] == 2 and report["stats"]["captures"] == 3, report
+
+
+def test_a_split_capture_stopped_by_cuda_names_ddp_buckets_or_fsdp2_events():
+    """A capture split by graph breaks that CUDA stops with "invalid argument" (a wait across its parts):
+    under DDP the error names one bucket as the way out, under FSDP2 that breaks are not supported there;
+    another error, or a model with neither, gets nothing added."""
+    from graphstep.distributed.breaks import split_capture_hint
+
+    class FakeDDP(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module):
+            torch.nn.Module.__init__(self)
+            self.module = module
+
+    class Sharded(torch.nn.Linear):  # what graphstep looks for in a module fully_shard wrapped
+        def _get_fsdp_state(self):
+            return None
+
+    cuda = RuntimeError("CUDA error: invalid argument")
+    assert "bucket_cap_mb" in split_capture_hint(cuda, [FakeDDP(torch.nn.Linear(2, 2))])
+    assert "not supported yet" in split_capture_hint(cuda, [torch.nn.Sequential(Sharded(2, 2))])
+    assert split_capture_hint(cuda, [torch.nn.Linear(2, 2)]) is None
+    assert split_capture_hint(RuntimeError("out of memory"), [FakeDDP(torch.nn.Linear(2, 2))]) is None

@@ -25,8 +25,7 @@ from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
-from .distributed.breaks import agree_on_breaks
-from .distributed.ranks import ddp_modules, fsdp_modules
+from .distributed.breaks import agree_on_breaks, split_capture_hint
 from .effects import host_random
 from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
 from .guards.module_inputs import ModuleInputs
@@ -179,11 +178,9 @@ def capture_variant(
             if isinstance(error, GraphStepError)
             else capture_error(ctx.name, error, ctx.state.named_modules_roots())
         )
-        if ctx.breaks.made and "invalid argument" in str(error):  # CUDA: a wait across the parts
-            if ddp_modules(ctx.state.modules):
-                converted = CaptureError(f"{converted}\n{DDP_BUCKETS_AROUND_A_BREAK}")
-            elif fsdp_modules(ctx.state.modules):
-                converted = CaptureError(f"{converted}\n{FSDP2_AROUND_A_BREAK}")
+        hint = split_capture_hint(error, ctx.state.modules) if ctx.breaks.made else None
+        if hint is not None:
+            converted = CaptureError(f"{converted}\n{hint}")
         if ctx.ranks is None and backend.static_buffers and is_out_of_memory(error):
             # Not a graph break or an optimizer to move: the same step fits once memory is free. (The
             # eager backend's capture is an eager step, run under no undo log: its error stands, as eager's.)
@@ -231,18 +228,3 @@ def capture_variant(
         inputs=inputs,
         ddp_resets=ctx.ranks.ddp_resets if ctx.ranks is not None else 0,
     )
-
-
-FSDP2_AROUND_A_BREAK = (
-    "FSDP2 orders its all-gathers and reduce-scatters with CUDA events, and a graph break inside a module "
-    "it wraps leaves events recorded in one part of the capture and waited for in another, which CUDA "
-    "refuses (H100s, torch 2.11). Graph breaks under FSDP2 are not supported yet. Instead: keep the host "
-    "read out of the step (on the device), use DistributedDataParallel (breaks work with one bucket), or "
-    "run this step without graphstep."
-)
-DDP_BUCKETS_AROUND_A_BREAK = (
-    "With graph breaks under DistributedDataParallel this is what happens when a gradient bucket's "
-    "all-reduce is issued in the backward before a break's segment and waited for after it (DDP with "
-    "several buckets; seen on H100s, not yet supported). One bucket avoids it: "
-    "DistributedDataParallel(..., bucket_cap_mb=) above the size of the parameters' gradients in MiB."
-)
