@@ -51,14 +51,16 @@ def _mark() -> None:
     torch.cuda.synchronize()
 
 
-def _segments() -> list[dict]:
+def _segments(snapshot: dict | None = None) -> list[dict]:
+    """Each segment's address, size and pool (the allocator's listing; taking one converts the whole
+    trace, seconds with a long history: only before the model and at the end)."""
     return [
         {
             "address": s["address"],
             "total_size": s["total_size"],
             "pool": list(s.get("segment_pool_id", DEFAULT_POOL)),
         }
-        for s in torch.cuda.memory_snapshot()
+        for s in (snapshot or torch.cuda.memory._snapshot())["segments"]
     ]
 
 
@@ -110,9 +112,9 @@ def tensor_labels(model: Any, optimizer: Any, captured: Any, device: str = "cuda
 
 def calls(step: Any, workload: Any, captured: Any, replays: int, into: tuple) -> None:
     """Run the step, a marker before each call: graphstep until `replays` replays after its capture,
-    the eager twin as many calls as graphstep made (BREAK_MEMORY_CALLS; 8 alone). Each call's label,
-    pools and peaks go `into` (labels, listings, per_call)."""
-    labels, listings, per_call = into
+    the eager twin as many calls as graphstep made (BREAK_MEMORY_CALLS; 8 alone). Each call's label and
+    peaks go `into` (labels, per_call)."""
+    labels, per_call = into
     batches = itertools.cycle(workload.batches)
     before = None
     n_calls = int(os.environ.get("BREAK_MEMORY_CALLS", 0)) or (None if captured is not None else 8)
@@ -134,7 +136,6 @@ def calls(step: Any, workload: Any, captured: Any, replays: int, into: tuple) ->
             if d[3]:
                 label = f"failed capture ({d[3]} breaks) + {label}"
         labels.append(label)
-        listings.append((call, _segments()))
         per_call.append({"call": call, "label": label,
                          "max_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 4),
                          "max_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 4)})  # fmt: skip
@@ -155,10 +156,10 @@ def run(method: str, experts: str, snapshots: Path, max_entries: int, replays: i
     ctx = BuildContext(device=torch.device("cuda"), n_calls=MAX_CALLS)
     workload = mixtral_moe(ctx) if experts == "eager" else mixtral_moe(ctx, experts=experts)
     step, close, captured = make_method_step(method, workload)
-    labels, listings, per_call = [], [], []
+    labels, per_call = [], []
     error = None
     try:  # a failing step still leaves its snapshot: the trace up to the failure is what tells
-        calls(step, workload, captured, replays, (labels, listings, per_call))
+        calls(step, workload, captured, replays, (labels, per_call))
     except Exception as exc:
         import traceback
 
@@ -170,12 +171,13 @@ def run(method: str, experts: str, snapshots: Path, max_entries: int, replays: i
     meta = {
         "device": torch.cuda.current_device(),
         "labels": labels,
-        "listings": listings,
+        "listings": [],  # (call, segments): the pools of the segments alive after that call
         "initial": initial,
         "current_pool": current,
         "tensor_labels": tensor_labels(workload.model, workload.optimizer, captured),
     }
     snapshot = torch.cuda.memory._snapshot()
+    meta["listings"] = [(len(labels), _segments(snapshot))]
     torch.cuda.memory._record_memory_history(enabled=None)
     try:  # the pickles are written whatever happens here: they can be read again on any machine
         out = breakdown(snapshot, meta)

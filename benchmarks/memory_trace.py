@@ -292,13 +292,13 @@ def share_frames(snapshot: dict) -> None:
 
 def shrink(snapshot: dict, limit: int = PICKLE_LIMIT) -> tuple[bytes, str]:
     """The snapshot pickled under `limit` bytes: equal frames shared, then frames cut to the
-    innermost 24, then 8, then the trace's oldest entries dropped (the steady-state calls are at
+    innermost 32, then 16, then the trace's oldest entries dropped (the steady-state calls are at
     its end)."""
     share_frames(snapshot)
     data = pickle.dumps(snapshot)
     if len(data) <= limit:
         return data, "whole"
-    for depth in (24, 8):
+    for depth in (32, 16):
         for seg in snapshot["segments"]:
             for b in seg.get("blocks", []):
                 b["frames"] = b.get("frames", [])[:depth]
@@ -313,4 +313,4 @@ def shrink(snapshot: dict, limit: int = PICKLE_LIMIT) -> tuple[bytes, str]:
     while len(data) > limit:
         traces[:] = [t[len(t) // 4 :] for t in traces]
         data = pickle.dumps(snapshot)
-    return data, f"frames cut to 8, trace cut to its last {max(len(t) for t in traces)} entries"
+    return data, f"frames cut to 16, trace cut to its last {max(len(t) for t in traces)} entries"
