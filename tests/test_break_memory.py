@@ -4,14 +4,17 @@ category, the pickle kept small. Well under a second."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import pickle
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import graphstep
+from break_models import MoENet
 from cpu_common import batches, make_twins, plain_step
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -176,3 +179,51 @@ def test_arguments():
         script.parse(["--experts", "nope"])
     assert bms.frame_category(RING + MODEL) == "output ring"
     assert bms.frame_category([]) == "no stack"
+
+
+# ---------------------------------------------------------------- what a break holds (recording backend)
+
+
+def zero_first_step(model, opt):
+    """Gradients set to None at the start of the step: after a call each `.grad` is the one it made."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def test_a_segments_parameter_gradient_is_the_segments_own_buffer_not_a_copy():
+    """Eager's autograd makes the fresh gradient a `.grad` that was None; at a break, the gradient the
+    segment's backward writes is that `.grad` (one buffer), where it was copied into a second one in
+    the graph's pool. Bitwise as before."""
+    torch.manual_seed(0)
+    model = MoENet()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, twin))
+    for block in model.blocks:
+        graphstep.eager_segment(block.experts)
+    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
+    eager = zero_first_step(twin, twin_opt)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
+        torch.manual_seed(i)
+        want = eager(x, y)
+        torch.manual_seed(i)
+        assert torch.equal(step(x, y), want), f"call {i}"
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad), name
+    (life,) = step._lives.values()
+    backwards = [s for s in life.current.recording.segments if type(s).__name__ == "BackwardSegment"]
+    assert len(backwards) == 2
+    for bwd in backwards:
+        n_inputs = len(bwd.slots) - len(bwd.params)
+        for p, slot in zip(bwd.params, bwd.slots[n_inputs:]):
+            assert p.grad.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
+    step.close()

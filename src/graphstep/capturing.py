@@ -20,7 +20,7 @@ import torch
 
 from . import effects
 from . import signature as sig
-from .backends import autograd_segments, library_segments, output_ring, segments
+from .backends import autograd_segments, library_segments, output_ring, segments, stranded
 from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
@@ -160,6 +160,8 @@ def capture_variant(
                 undo()
         snapshot.restore()
         python.roll_back()
+        if isinstance(backend, CudaGraphBackend):  # a pool a host sync abandoned: its tensors move out
+            stranded.move_out(backend, ctx.state.tensors_kept())
         if voted and ctx.ranks.out_of_memory_at_capture() is None:
             # Every rank knows the capture failed: all make the same graph breaks (those any rank's
             # failure calls for) and warm up again together, or none does (distributed/breaks.py).

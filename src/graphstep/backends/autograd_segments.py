@@ -314,7 +314,7 @@ class _Plan:
             fwd,
             [None if g is None else g.detach() for g in grad_outputs],
             params,
-            slots,
+            [None if s is None else _alias(s) for s in slots],
             zero_ok,
             _amp_state(),
             self.name,
@@ -339,6 +339,17 @@ class _Plan:
             wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
             wanted += [(p, f"its parameter of shape {list(p.shape)}") for p in self.seen.reach.params]
             self.order = self.session.order.follow(self.name, node, wanted, self.seen.reach.casts)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """Another tensor over `t`'s memory that holds no reference to `t` (a view would hold its base).
+
+    The segment's backward writes each gradient through the alias, and autograd gets `t` itself with no
+    other reference held to it: accumulating a parameter's gradient into a `.grad` that is None, it makes
+    `t` the `.grad` (as eager's autograd takes the fresh gradient) instead of a copy of it in the graph's
+    pool, which held every segment parameter's gradient twice at the step's peak (issue 42)."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _split(
