@@ -330,7 +330,8 @@ def test_a_pools_live_tensors_move_out_in_place_and_the_pool_goes_back(device, m
     device.state["invalidated"] = False
     assert device.stranded and device.state["emptied"] == 1
     before = {id(t) for t in (inside, view, outside)}
-    moved = stranded.move_out(device, [inside, view, outside, inside])
+    sparse = torch.ones(2).to_sparse()  # no storage to move: left alone
+    moved = stranded.move_out(device, [inside, view, outside, inside, sparse])
     assert moved == 24 and {id(t) for t in (inside, view, outside)} == before
     assert inside.untyped_storage().data_ptr() != start
     assert view.untyped_storage().data_ptr() == inside.untyped_storage().data_ptr()

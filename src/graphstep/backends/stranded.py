@@ -43,6 +43,8 @@ def storages_within(ranges: list[tuple[int, int]], tensors: list[torch.Tensor]) 
     """`tensors` whose memory lies within one of `ranges` ([start, end) addresses), grouped by storage."""
     groups: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            continue  # a wrapper subclass (FSDP2's DTensor state) has no storage of its own: left where it is
         ptr = t.untyped_storage().data_ptr()
         if any(start <= ptr < end for start, end in ranges):
             group = groups.setdefault(ptr, [])
