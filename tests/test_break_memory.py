@@ -5,6 +5,7 @@ category, the pickle kept small. Well under a second."""
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import pickle
 import sys
@@ -226,4 +227,42 @@ def test_a_segments_parameter_gradient_is_the_segments_own_buffer_not_a_copy():
         n_inputs = len(bwd.slots) - len(bwd.params)
         for p, slot in zip(bwd.params, bwd.slots[n_inputs:]):
             assert p.grad.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
+    step.close()
+
+
+class SyncingHead(torch.nn.Module):
+    """A head that reads the host (a second break, at the end of the forward, after the experts' segments)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.out = torch.nn.Linear(dim, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if h.abs().max().item() < 1e6 else 0.5  # a host read: no graph can record it
+        return self.out(h) * scale
+
+
+def test_a_capture_stopped_after_a_segment_lets_go_of_what_it_made():
+    """A capture stopped by a host sync after an eager segment: the segment's boundary node held its plan,
+    and through it the capture's session, buffers and the forward graph with its activations, in a cycle
+    through autograd's C++ graph that no garbage collection frees; on a GPU, in the pool the capture
+    abandoned, for good (39 MiB on the MoE row). Here the recording backend's recorder of a capture holds
+    every tensor it made: only the one of the capture that succeeded may be left."""
+    from graphstep.backends import recording
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if type(o) is recording._Recorder}  # earlier tests'
+    torch.manual_seed(0)
+    model = MoENet()
+    model.out = SyncingHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        step(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g))
+    assert step.stats.graph_breaks == 2 and step.stats.captures == 1, step.stats
+    gc.collect()
+    recorders = [o for o in gc.get_objects() if type(o) is recording._Recorder and id(o) not in before]
+    assert len(recorders) == 1, f"{len(recorders) - 1} failed captures' recorders are alive"
     step.close()

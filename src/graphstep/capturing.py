@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -52,6 +53,14 @@ class Variant:
     """Input-like attributes of modules (a BlockMask set per batch): loaded before every replay."""
     ddp_resets: int = 0
     """`Ranks.ddp_resets` at capture: the DDP buckets this graph copies gradients into."""
+
+
+def let_go(error: BaseException) -> None:
+    """Clear the local variables of the failed capture's finished frames on `error`'s traceback (the
+    step's, the model's: its activations) before this call warms up again or captures again. The error
+    lives on until then (the warm-up runs while it is handled), and with it, in the pool the capture
+    abandoned, every tensor those frames held (issue 42). Its message and the lines stay."""
+    traceback.clear_frames(error.__traceback__)
 
 
 def capture_variant(
@@ -169,6 +178,7 @@ def capture_variant(
             if isinstance(again, WarmUpAgain):
                 ctx.ranks.step_eagerly_instead()  # this call's warm-up: its collectives checked afresh
                 ctx.stats.graph_breaks = len(ctx.breaks.made)
+                let_go(error)
             if again is not None:  # (or no rank breaks, for a reason every rank raises)
                 raise again from error
             if isinstance(error, WarmUpAgain):  # another rank refuses: no rank warms up alone
@@ -196,10 +206,12 @@ def capture_variant(
             raise OutOfMemoryAtCapture(str(converted), rank=short_rank) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.
+            let_go(error)
             return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)
         if ctx.ranks is None and ctx.breaks.after_failed_capture(error):
             # A module around the failing line runs eagerly from now on: it needs a warm-up's notes.
             ctx.stats.graph_breaks = len(ctx.breaks.made)
+            let_go(error)
             raise WarmUpAgain(f"a graph break was made in {ctx.name}", after_break=True) from error
         if converted is error:
             raise error
