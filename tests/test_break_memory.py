@@ -266,3 +266,35 @@ def test_a_capture_stopped_after_a_segment_lets_go_of_what_it_made():
     recorders = [o for o in gc.get_objects() if type(o) is recording._Recorder and id(o) not in before]
     assert len(recorders) == 1, f"{len(recorders) - 1} failed captures' recorders are alive"
     step.close()
+
+
+def test_a_graph_breaks_failed_capture_is_let_go_before_the_warm_up_that_follows(monkeypatch):
+    """The capture that finds a break fails; that call warms up once more while its error is handled,
+    and the error's frames held everything the capture made (on a GPU: a break at the end of the forward
+    held its activations through that warm-up, 14.9 GiB against eager's 8.8 on the batched_mm row)."""
+    from graphstep import lifecycle
+    from graphstep.backends import recording
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if type(o) is recording._Recorder}
+    alive = []
+    warm_up_again = lifecycle._warm_up_again
+
+    def counting(life, again, *args):
+        gc.collect()
+        alive.append(
+            sum(1 for o in gc.get_objects() if type(o) is recording._Recorder and id(o) not in before)
+        )
+        return warm_up_again(life, again, *args)
+
+    monkeypatch.setattr(lifecycle, "_warm_up_again", counting)
+    torch.manual_seed(0)
+    model = MoENet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        step(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g))
+    assert step.stats.graph_breaks == 1 and alive == [0], (step.stats, alive)
+    step.close()
