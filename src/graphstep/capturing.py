@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -54,14 +55,15 @@ class Variant:
     """`Ranks.ddp_resets` at capture: the DDP buckets this graph copies gradients into."""
 
 
-def let_go(error: BaseException, backend: Any) -> None:
+def let_go(error: BaseException, backend: Any, handled: BaseException | None) -> None:
     """Clear the local variables of the failed capture's finished frames on `error`'s traceback (the
     step's, the model's: its activations) before this call warms up again or captures again, and hand
     back the segments that frees in the pool the capture abandoned. The error lives on until then (the
     warm-up runs while it is handled), and with it every tensor those frames held: a break at the end of
     the forward (the MoE auxiliary loss) held all its activations through the next warm-up (issue 42:
-    the batched_mm row peaked at 14.9 GiB against eager's 8.8). Its message and lines stay."""
-    seen: set[int] = set()
+    the batched_mm row peaked at 14.9 GiB against eager's 8.8). Its message and lines stay. `handled`: the
+    error the caller was handling when the capture began (left alone, with what it was raised from)."""
+    seen: set[int] = {id(handled)} if handled is not None else set()
     while error is not None and id(error) not in seen:  # and the errors it was raised from, or during
         seen.add(id(error))
         tb = error.__traceback__
@@ -85,6 +87,7 @@ def capture_variant(
     `warm_outputs`: the output tensors of the last warm-up, described (the output ring is made like them)."""
     backend = ctx.backend
     start = time.perf_counter()
+    handled = sys.exc_info()[1]  # the caller's, if the step is called while it handles an error
     ctx.modes.choose_before_capture(ctx.state.optimizers)
     snapshot = Snapshot.take(ctx.state, backend.cuda_devices)
     captured: dict[str, Any] = {}
@@ -192,7 +195,7 @@ def capture_variant(
             if isinstance(again, WarmUpAgain):
                 ctx.ranks.step_eagerly_instead()  # this call's warm-up: its collectives checked afresh
                 ctx.stats.graph_breaks = len(ctx.breaks.made)
-                let_go(error, backend)
+                let_go(error, backend, handled)
             if again is not None:  # (or no rank breaks, for a reason every rank raises)
                 raise again from error
             if isinstance(error, WarmUpAgain):  # another rank refuses: no rank warms up alone
@@ -220,12 +223,12 @@ def capture_variant(
             raise OutOfMemoryAtCapture(str(converted), rank=short_rank) from error
         if ctx.ranks is None and ctx.modes.after_failed_capture(converted, ctx.state.optimizers):
             # An optimizer's step stopped the capture and now runs as an eager segment: again.
-            let_go(error, backend)
+            let_go(error, backend, handled)
             return capture_variant(ctx, args, kwargs, segment_results, warm_outputs)
         if ctx.ranks is None and ctx.breaks.after_failed_capture(error):
             # A module around the failing line runs eagerly from now on: it needs a warm-up's notes.
             ctx.stats.graph_breaks = len(ctx.breaks.made)
-            let_go(error, backend)
+            let_go(error, backend, handled)
             raise WarmUpAgain(f"a graph break was made in {ctx.name}", after_break=True) from error
         if converted is error:
             raise error

@@ -16,6 +16,7 @@ import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from gpu_common import deterministic, needs_cuda
 
@@ -28,10 +29,25 @@ pytestmark = needs_cuda
 DIM, HIDDEN, EXPERTS, CALLS = 512, 2048, 4, 8
 
 
-def build() -> torch.nn.Module:
+class SyncingHead(torch.nn.Module):
+    """A head that reads the host: a second break, at the end of the forward, where the capture that finds
+    it has made all the forward's activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = torch.nn.Linear(DIM, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if h.abs().max().item() < 1e6 else 0.5
+        return self.out(h) * scale
+
+
+def build(late_break: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = MoENet(dim=DIM, layers=2)
     model.blocks = torch.nn.ModuleList(MoE(DIM, HIDDEN, EXPERTS) for _ in range(2))
+    if late_break:
+        model.out = SyncingHead()
     return model.cuda()
 
 
@@ -61,8 +77,8 @@ def measured(calls):
     return results, torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved
 
 
-def run_both():
-    model = build()
+def run_both(late_break: bool = False):
+    model = build(late_break)
     twin = copy.deepcopy(model)
     opts = []
     for m in (model, twin):
@@ -91,7 +107,7 @@ def run_both():
         assert torch.equal(w, o), f"call {i}: loss {o.item()} != eager {w.item()}"
     for (name, p), q in zip(twin.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"parameter {name} differs"
-    assert step.stats.graph_breaks == 1 and step.stats.captures == 1, step.stats
+    assert step.stats.graph_breaks == 1 + late_break and step.stats.captures == 1, step.stats
     mib = 2**20
     print(
         f"\npeak allocated: graphstep {graph_alloc / mib:.1f} MiB, eager {eager_alloc / mib:.1f} MiB "
@@ -101,23 +117,30 @@ def run_both():
     return step, (graph_alloc, eager_alloc), (graph_res, eager_res)
 
 
-def test_a_step_with_a_graph_break_peaks_within_1_1x_of_eagers_allocated_memory():
-    step, (graph, eager), _ = run_both()
+@pytest.mark.parametrize("late_break", [False, True], ids=["experts", "experts_and_head"])
+def test_a_step_with_a_graph_break_peaks_within_1_1x_of_eagers_allocated_memory(late_break):
+    """`experts_and_head`: the capture that finds the second break fails after the whole forward; its
+    activations must be gone before that call warms up again (they were not: 1.69x on the MoE row)."""
+    step, (graph, eager), _ = run_both(late_break)
     step.close()
     assert graph <= 1.1 * eager, f"graphstep peaked at {graph / eager:.2f}x eager's allocated memory"
 
 
-def test_no_pool_is_left_behind_by_the_capture_that_found_the_break():
+@pytest.mark.parametrize("late_break", [False, True], ids=["experts", "experts_and_head"])
+def test_no_pool_is_left_behind_by_the_captures_that_found_the_breaks(late_break):
     """The warm-ups' optimizer state lived in the pool of the capture that stopped at the break; it moves
-    out, and that pool goes back whole: only the step's current pool and the default pool hold memory."""
-    step, _, _ = run_both()
+    out, and that pool goes back whole; a second failed capture (`experts_and_head`) leaves nothing of its
+    own either: only the step's current pool and the default pool hold memory."""
+    pools = lambda: {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory_snapshot()}  # noqa: E731
+    earlier = pools()  # other tests' steps
+    step, _, _ = run_both(late_break)
     current = tuple(step._ctx.backend.pool)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     others = [
         (s["total_size"], s["allocated_size"])
         for s in torch.cuda.memory_snapshot()
-        if tuple(s.get("segment_pool_id", (0, 0))) not in ((0, 0), current)
+        if tuple(s.get("segment_pool_id", (0, 0))) not in {(0, 0), current, *earlier}
     ]
     step.close()
     assert not others, f"segments (size, allocated) left in other pools: {others}"
