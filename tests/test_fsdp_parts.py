@@ -30,9 +30,9 @@ def test_every_event_fsdp2_holds_is_found_once_and_nothing_else():
         reduce_scatter_states=[Held(torch.zeros(2), events[5]), Held(torch.zeros(2), shared)],
         all_gather_state=SimpleNamespace(all_gather_result=Held(torch.zeros(2), shared), event=shared),
     )
-    state = SimpleNamespace(
-        _state_ctx=SimpleNamespace(post_optim_event=shared), _comm_ctx=comm, _fsdp_param_group=group
-    )
+    state = SimpleNamespace(_comm_ctx=comm, _fsdp_param_group=group)
+    # FSDP2's state context lists every state: the communication context is reached deep from there first.
+    state._state_ctx = SimpleNamespace(post_optim_event=shared, all_states=[state])
     found = held_events([state, state])
     assert len(found) == len(events) and all(any(f is e for f in found) for e in events)
 

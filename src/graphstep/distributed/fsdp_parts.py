@@ -65,12 +65,16 @@ def _contents(obj: Any) -> list[Any]:
 def held_events(states: list[Any]) -> list[Any]:
     """Every CUDA event FSDP2's state holds now (each once)."""
     events: dict[int, Any] = {}
-    seen: set[int] = set()
+    depths: dict[int, int] = {}
+    """Each object looked into, at the least depth it was reached: an object reached deep first (a
+    state's communication context through the list of every state) is looked into again from nearer."""
 
     def visit(obj: Any, depth: int) -> None:
-        if id(obj) in seen or isinstance(obj, (torch.Tensor, nn.Module, torch.cuda.Stream, str, int, float)):
+        if depths.get(id(obj), _DEPTH + 1) <= depth:
             return
-        seen.add(id(obj))
+        if isinstance(obj, (torch.Tensor, nn.Module, torch.cuda.Stream, str, int, float)):
+            return
+        depths[id(obj)] = depth
         if isinstance(obj, (torch.cuda.Event, torch.Event)):
             events[id(obj)] = obj
             return
