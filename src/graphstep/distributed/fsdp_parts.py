@@ -107,12 +107,12 @@ def across_parts(
     splitter: Splitter, states: list[Any], stream: torch.cuda.Stream | None
 ) -> Iterator[Splitter]:
     """`splitter` whose parts keep FSDP2's side streams and events inside the capture (module docstring);
-    on leaving, after a split, the side streams that took part in the last part are joined back. `stream`:
-    the capture stream (None, or no FSDP2: `splitter` as it is)."""
+    on leaving, the side streams that took part in the last part are joined back. `stream`: the capture
+    stream (None, or no FSDP2: `splitter` as it is). It writes no Python state of its own: graphstep's
+    own code in a capture is judged by the write watch as any library's."""
     if not states or splitter.executes or stream is None:  # the recording backend captures nothing
         yield splitter
         return
-    split = False
 
     def join() -> None:
         for side in side_streams(states):
@@ -124,14 +124,11 @@ def across_parts(
         splitter.end_part()
 
     def begin_part() -> None:
-        nonlocal split
         splitter.begin_part()
-        split = True
         for side in side_streams(states):
             side.wait_stream(stream)
         for event in held_events(states):
             event.record(stream)
 
     yield Splitter(end_part, begin_part, splitter.executes)
-    if split:
-        join()
+    join()  # a capture split or not: joining a stream already joined orders nothing more
