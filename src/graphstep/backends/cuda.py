@@ -13,6 +13,7 @@ from .base import CaptureBody, PartsRecording, Recording, empty_like_strided
 from .compiled import no_compiling
 from .libraries import as_captured
 from .segments import Splitter
+from .sync_free import counts_on_device
 
 
 # The allocator's pool-routing calls are private and were renamed across releases; the
@@ -211,8 +212,8 @@ class CudaGraphBackend:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            # no_compiling: a torch.compile'd frame that would compile here raises before it does.
-            with as_captured(), no_compiling(), self._on_capture_stream():
+            # no_compiling: a compiled frame that would compile here raises; counts_on_device: sync_free.py.
+            with as_captured(), no_compiling(), counts_on_device(), self._on_capture_stream():
                 begin_part()
                 try:
                     outputs = body(Splitter(end_part, begin_part, executes=False), *args, **kwargs)
