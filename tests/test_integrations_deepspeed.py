@@ -1,0 +1,64 @@
+"""DeepSpeed (0.19.8) ZeRO-1/2 engines under graphstep.integrations.deepspeed, on DeepSpeed's CPU
+accelerator with gloo and the recording backend (which bakes Python as a CUDA graph does).
+
+`engine(x)`, `engine.backward(loss)`, `engine.step()` captured, against an eager twin engine on the same
+micro-batches: every loss and parameter bitwise equal, and the loss scale, the learning rate (WarmupLR)
+and DeepSpeed's counters (`global_steps`, `micro_steps`, `skipped_steps`, `global_samples`) the same, on
+1 and 2 ranks; fp16's dynamic scaler skips steps and changes its scale on most calls; gradient
+accumulation, with a short micro-batch at the end of an epoch in between. What is refused is refused with
+DeepSpeed's name for it. Skipped where DeepSpeed is not installed (`pip install graphstep[deepspeed]`).
+The GPU tests: tests/gpu/test_deepspeed_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="needs DeepSpeed (pip install graphstep[deepspeed])")
+
+from deepspeed_workers import refusals, train_cases
+from ranks import run_ranks
+
+ONE_RANK = [
+    {"zero": 2, "dtype": "fp32", "accum": 1, "steps": 6},
+    {"zero": 2, "dtype": "fp16", "accum": 1, "steps": 10},
+    {"zero": 1, "dtype": "bf16", "accum": 2, "steps": 10},
+    {"zero": 2, "dtype": "bf16", "accum": 3, "steps": 15, "sizes": [4] * 10 + [2] + [4] * 4},
+    {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 12, "clip": 0.0},
+]
+
+
+def _check(report: dict) -> None:
+    case = report["case"]
+    assert not report["bad_loss_steps"] and not report["bad_params"], report
+    assert report["scales_equal"] and report["lr"][0] == report["lr"][1], report
+    assert all(a == b for a, b in report["counters"].values()), report
+    assert report["stats"]["replays"] > 0, report
+    if case["dtype"] == "fp16":  # the scaler skipped steps and moved its scale while graphs replayed
+        assert report["counters"]["skipped_steps"][0] > 0 and len(report["scales"]) > 2, report
+    assert report["counters"]["micro_steps"][0] == case["steps"], report
+
+
+def test_zero_engine_step_trains_like_the_eager_engine():
+    (reports,) = run_ranks(train_cases, 1, cases=ONE_RANK, timeout=180)
+    for report in reports:
+        _check(report)
+
+
+def test_zero_engine_step_on_two_ranks_trains_like_the_eager_engine():
+    cases = [
+        {"zero": 2, "dtype": "bf16", "accum": 1, "steps": 6},
+        {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 10},
+    ]
+    for rank_reports in run_ranks(train_cases, 2, cases=cases, timeout=180):
+        for report in rank_reports:
+            _check(report)
+
+
+def test_what_cannot_be_captured_is_refused_with_deepspeeds_name_for_it():
+    (found,) = run_ranks(refusals, 1, timeout=120)
+    assert "ZeRO stage 3" in found["zero3"] and "stage 1 or 2" in found["zero3"], found
+    assert "wall_clock_breakdown" in found["wall_clock"], found
+    # A plain graphstep.capture of the engine's step: refused, naming the integration; nothing lost.
+    assert found["plain"] is not None and "capture_engine_step" in found["plain"], found
+    assert found["counters_after_refusal"]["global_steps"] == found["counters_after_refusal"]["micro_steps"]
