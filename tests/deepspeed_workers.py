@@ -47,6 +47,19 @@ def ds_config(zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: i
     return config
 
 
+def _init(device: str) -> None:
+    """DeepSpeed's process group, over the one tests/ranks.py made. On the CPU, without DeepSpeed's
+    shared-memory all-reduce: a C++ op it compiles at the first `init_distributed` of a machine (about
+    a minute on two cores) and uses only for `inference_all_reduce`; training reduces with
+    torch.distributed."""
+    import deepspeed
+    import deepspeed.ops
+
+    if device == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+
+
 def _fp16_on_cpu() -> None:
     """DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels; torch's CPU half
     kernels are all these small models need."""
@@ -131,6 +144,18 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
     }
 
 
+def check(report: dict) -> None:
+    """Assert a `compare` report is equal to eager in everything it compares, and that graphs ran."""
+    case = report["case"]
+    assert not report["bad_loss_steps"] and not report["bad_params"], report
+    assert report["scales_equal"] and report["lr"][0] == report["lr"][1], report
+    assert all(a == b for a, b in report["counters"].values()), report
+    assert report["stats"]["replays"] > 0, report
+    if case["dtype"] == "fp16":  # the scaler skipped steps and moved its scale while graphs replayed
+        assert report["counters"]["skipped_steps"][0] > 0 and len(report["scales"]) > 2, report
+    assert report["counters"]["micro_steps"][0] == case["steps"], report
+
+
 def _environment(rank: int, size: int) -> None:
     """What DeepSpeed reads of a launcher's environment (tests/ranks.py made the process group)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
@@ -141,10 +166,10 @@ def train_cases(
 ) -> list[dict]:
     """A worker of tests/ranks.py: every case on this rank, in one process."""
     _environment(rank, size)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    _init(device)
     _fp16_on_cpu()
+    if device == "cuda":  # bitwise: eager is run-to-run deterministic only so (CUBLAS_WORKSPACE_CONFIG set)
+        torch.use_deterministic_algorithms(True)
     backend = "recording" if device == "cpu" else "cuda"
     config = graphstep.Config(backend=backend, warmup_steps=warmup_steps)
     reports = []
@@ -155,12 +180,10 @@ def train_cases(
 
 def refusals(rank: int, size: int) -> dict:
     """What `capture_engine_step` refuses, and what a plain `graphstep.capture` of the engine's step says."""
-    import deepspeed
-
     from graphstep.integrations.deepspeed import UnsupportedEngineError, capture_engine_step
 
     _environment(rank, size)
-    deepspeed.init_distributed(dist_backend="gloo")
+    _init("cpu")
     found = {}
     for name, change in {
         "zero3": {"zero_optimization": {"stage": 3}},

@@ -402,6 +402,12 @@ def _check_supported(engine: Any) -> None:
             "replay as eager does (found on 2 ranks: the window's last update differed). Use stage 1 "
             "(bitwise with accumulation on any number of ranks), or `gradient_accumulation_steps: 1`"
         )
+    if getattr(engine.optimizer, "overlap_comm", False) and next(engine.module.parameters()).is_cuda:
+        refusals.append(
+            "`zero_optimization.overlap_comm: true`: ZeRO waits for its reduction stream on the host "
+            "inside the backward (`accelerator.synchronize()`), which no CUDA graph can capture; set "
+            "`overlap_comm: false` (the reductions run on the capture stream, in the graph)"
+        )
     if type(engine).__name__ == "PipelineEngine":
         refusals.append(
             "DeepSpeed's pipeline engine (`PipelineModule`): its `train_batch` drives its own schedule"
