@@ -12,9 +12,14 @@ The GPU tests: tests/gpu/test_deepspeed_gpu.py.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("deepspeed", reason="needs DeepSpeed (pip install graphstep[deepspeed])")
+# Found, not imported: DeepSpeed runs in the ranks' processes only (an import here would stay in the test
+# process and slow every later capture's census of live objects).
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("needs DeepSpeed (pip install graphstep[deepspeed])", allow_module_level=True)
 
 from deepspeed_workers import check, refusals, train_cases
 from ranks import run_ranks

@@ -13,10 +13,15 @@ Each test starts its own processes (tests/ranks.py), one per GPU. Needs DeepSpee
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("deepspeed", reason="needs DeepSpeed (pip install graphstep[deepspeed])")
+# Found, not imported: DeepSpeed runs in the ranks' processes only (an import here would stay in the test
+# process and slow every later capture's census of live objects).
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("needs DeepSpeed (pip install graphstep[deepspeed])", allow_module_level=True)
 
 from deepspeed_workers import check, train_cases
 from ranks import run_ranks
