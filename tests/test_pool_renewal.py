@@ -73,7 +73,7 @@ def backend(monkeypatch):
     noop = lambda *a: None  # noqa: E731
     monkeypatch.setattr(cuda, "_allocator_calls", lambda: (noop, noop, noop))
     b = CudaGraphBackend.__new__(CudaGraphBackend)
-    b.index, b.graphs, b.users, b._graphs_in_pool = 0, 0, 0, {}
+    b.index, b.graphs, b.users, b._graphs_in_pool, b.stranded = 0, 0, 0, {}, []
     b.pool = b._new_pool()
     b._on_capture_stream = contextlib.nullcontext
     b._make_room = lambda: None
@@ -210,7 +210,7 @@ def device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     monkeypatch.setattr(cuda, "_allocator_calls", lambda: (dev.begin, dev.end, dev.release))
     b = CudaGraphBackend.__new__(CudaGraphBackend)
-    b.index, b.graphs, b.users, b._graphs_in_pool = 0, 0, 0, {}
+    b.index, b.graphs, b.users, b._graphs_in_pool, b.stranded = 0, 0, 0, {}, []
     b.pool = b._new_pool()
     b._on_capture_stream = contextlib.nullcontext
     b._make_room = lambda: None
@@ -253,24 +253,34 @@ def test_an_abandoned_pool_that_earlier_graphs_still_use_is_kept(device):
     assert device.dev.use_count[pool] == 0
 
 
-def test_segments_replay_on_the_path_their_warm_ups_took(backend):
+def test_segments_replay_on_the_path_and_the_stream_their_warm_ups_took(backend):
     """transformers computes differently while a stream captures (explicit masks, no host checks), and
     graphstep's warm-ups and capture take that path (`libraries.as_captured`): a segment that replays its
-    transformers code must take it too, or its replays compute another function than its warm-ups."""
+    transformers code must take it too, or its replays compute another function than its warm-ups. And
+    on the capture stream, where it warmed up: on the caller's, its cuBLAS calls made that stream's
+    workspaces too, held for good beside the capture stream's (issue 42)."""
     import_utils = pytest.importorskip("transformers.utils.import_utils")
-    from graphstep.backends import libraries
 
     recording = capture(backend)
-    assert recording.segment_context is libraries.as_captured
+    streams = []
+
+    @contextlib.contextmanager
+    def on_capture_stream():
+        streams.append("in")
+        yield
+        streams.append("out")
+
+    backend._on_capture_stream = on_capture_stream
     seen = []
 
     class Segment:
         def run(self) -> None:
-            seen.append(import_utils.is_cuda_stream_capturing())
+            seen.append((import_utils.is_cuda_stream_capturing(), streams[-1]))
 
     recording.parts, recording.segments = [lambda: None, lambda: None], [Segment()]
     recording.replay((), {})
-    assert seen == [True] and import_utils.is_cuda_stream_capturing() is False
+    assert seen == [(True, "in")] and streams == ["in", "out"]
+    assert import_utils.is_cuda_stream_capturing() is False
 
 
 def test_a_segments_forward_warms_up_outside_the_pool(device):
@@ -301,3 +311,38 @@ def test_a_segments_forward_warms_up_outside_the_pool(device):
     assert device.dev.use_count[device.pool] == 1 and not routed()
     with device.outside_pool():  # outside a warm-up in the pool: nothing to stop
         assert device.dev.use_count[device.pool] == 1
+
+
+def test_a_pools_live_tensors_move_out_in_place_and_the_pool_goes_back(device, monkeypatch):
+    """The tensors the warm-ups made in a pool a graph break abandoned (optimizer state made in the
+    first warm-up) kept its segments for good (issue 42): they get fresh memory, as the same tensor
+    objects with the same values (views of one storage stay one storage), and the cache is emptied once
+    more; tensors elsewhere stay where they are."""
+    from graphstep.backends import stranded
+
+    inside, view, outside = torch.arange(6.0), None, torch.ones(3)
+    view = inside[2:4]
+    start = inside.untyped_storage().data_ptr()
+    segments = [{"address": start, "total_size": 24, "segment_pool_id": device.pool, "device": 0}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    device.state["invalidated"] = True
+    capture(device, fails=True)  # abandons the pool the fake segment belongs to
+    device.state["invalidated"] = False
+    assert device.stranded and device.state["emptied"] == 1
+    before = {id(t) for t in (inside, view, outside)}
+    sparse = torch.ones(2).to_sparse()  # no storage to move: left alone
+    moved = stranded.move_out(device, [inside, view, outside, inside, sparse])
+    assert moved == 24 and {id(t) for t in (inside, view, outside)} == before
+    assert inside.untyped_storage().data_ptr() != start
+    assert view.untyped_storage().data_ptr() == inside.untyped_storage().data_ptr()
+    assert torch.equal(inside, torch.arange(6.0)) and torch.equal(view, torch.tensor([2.0, 3.0]))
+    assert device.state["emptied"] == 2 and not device.stranded
+    assert stranded.move_out(device, [inside]) == 0  # once: nothing abandoned since
+
+
+def test_no_pool_abandoned_moves_nothing_and_syncs_nothing(device, monkeypatch):
+    from graphstep.backends import stranded
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: pytest.fail("no snapshot needed"))
+    capture(device, fails=True)  # failed in Python: the pool was not left capturing
+    assert not device.stranded and stranded.move_out(device, [torch.ones(2)]) == 0

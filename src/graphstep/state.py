@@ -110,6 +110,17 @@ class TrainingState:
                     seen.setdefault(id(p), p)
         return list(seen.values())
 
+    def tensors_kept(self) -> list[torch.Tensor]:
+        """What the state keeps from call to call beside the parameters: grads, module buffers, and the
+        tensors of each optimizer's state (made lazily, in the first warm-up)."""
+        kept = [p.grad for p in self.parameters() if p.grad is not None]
+        kept += [b for m in self.modules for b in m.buffers()]
+        for opt in self.optimizers:
+            for entry in opt.state.values():
+                values = entry.values() if isinstance(entry, dict) else (entry,)
+                kept += [v for v in values if isinstance(v, torch.Tensor)]
+        return kept
+
     labels: dict[int, str] = dataclasses.field(default_factory=dict)
     """Names of modules found in the step's closure or globals rather than passed as model=."""
 

@@ -314,7 +314,7 @@ class _Plan:
             fwd,
             [None if g is None else g.detach() for g in grad_outputs],
             params,
-            slots,
+            [None if s is None else _alias(s) for s in slots],
             zero_ok,
             _amp_state(),
             self.name,
@@ -330,6 +330,16 @@ class _Plan:
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
         return grads + [by_param.get(id(t)) for t in self.tensors[self.n_inputs :]]
 
+    def let_go_if_failed(self, kind: type | None, error: BaseException | None, tb: Any) -> None:
+        """At the end of a capture (`ExitStack.push`: called with the error, if any). A failed capture's
+        boundary nodes hold this plan (`ctx.plan`), and through it the capture's session, its segments'
+        buffers and the forward graph up to the failure with its saved activations; the nodes are held
+        back by the graph in C++, a cycle the garbage collector cannot see. A graph break's capture was
+        left behind so, in its abandoned pool, for good (issue 42: 39 MiB on the MoE row, 113 MiB with
+        grouped_mm). Let go of all of it."""
+        if kind is not None:
+            self.forward, self.order, self.tensors, self.session = None, None, [], None
+
     def watch(self, outputs: tuple) -> None:
         """After the boundary node exists: have the capture's backward find its targets' later users."""
         node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
@@ -339,6 +349,17 @@ class _Plan:
             wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
             wanted += [(p, f"its parameter of shape {list(p.shape)}") for p in self.seen.reach.params]
             self.order = self.session.order.follow(self.name, node, wanted, self.seen.reach.casts)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """Another tensor over `t`'s memory that holds no reference to `t` (a view would hold its base).
+
+    The segment's backward writes each gradient through the alias, and autograd gets `t` itself with no
+    other reference held to it: accumulating a parameter's gradient into a `.grad` that is None, it makes
+    `t` the `.grad` (as eager's autograd takes the fresh gradient) instead of a copy of it in the graph's
+    pool, which held every segment parameter's gradient twice at the step's peak (issue 42)."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _split(
@@ -360,6 +381,7 @@ def _split(
     known = {id(t) for t in inputs}
     params = [p for p in reach.params + reach.idle if id(p) not in known]
     plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params, held)
+    session.exits.push(plan.let_go_if_failed)
     outputs = _Boundary.apply(plan, *inputs, *params)
     if plan.forward is not None:
         plan.watch(outputs)

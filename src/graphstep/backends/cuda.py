@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +52,17 @@ def _hand_back(index: int, pool: tuple[int, int], *, used: bool) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def _segments_at_replay(backend: CudaGraphBackend) -> Iterator[None]:
+    """Around a replay's graphs and eager segments: the library path their warm-ups and capture took
+    (`as_captured`), on the capture stream they warmed up on. On the caller's stream, a segment's cuBLAS
+    calls made that stream's workspaces (one per thread that runs them, forward and backward: 64 MiB
+    with CUBLAS_WORKSPACE_CONFIG=:4096:8), kept for the life of the process beside the capture stream's
+    (issue 42), and took none of the blocks its warm-ups had cached on the capture stream."""
+    with as_captured(), backend._on_capture_stream():
+        yield
+
+
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """The side stream graphstep warms up and captures on, one per CUDA device for the process.
 
@@ -86,6 +98,7 @@ class CudaGraphBackend:
         """Graphs alive, of every step that shares this backend (in this pool or earlier ones)."""
         self._graphs_in_pool: dict[tuple[int, int], int] = {}
         """Graphs alive in each pool that still has some: a pool leaves when its last graph goes."""
+        self.stranded: list[tuple[int, int]] = []  # pools a failed capture abandoned, no graph in them
         self.users = 0
         """Captured steps using this backend (`capture(share_pool_with=...)`); close() at the last."""
         self._prime_library_workspaces()
@@ -234,8 +247,6 @@ class CudaGraphBackend:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        if len(graphs) > 1:  # segments: their warm-ups' blocks (`outside_pool`, the capture stream) are
-            torch.cuda.empty_cache()  # not those they take at replay (the caller's stream): give them back
         pool = self.pool
         self.graphs += 1
         self._graphs_in_pool[pool] = self._graphs_in_pool.get(pool, 0) + 1
@@ -254,7 +265,7 @@ class CudaGraphBackend:
                     self.renew_pool()
 
         recording = PartsRecording([graph.replay for graph in graphs], release)
-        recording.segment_context = as_captured  # segments at replay take the path they took in warm-up
+        recording.segment_context = functools.partial(_segments_at_replay, self)
         recording.cuda_graphs = graphs
         recording.outputs = outputs
         return recording
@@ -283,8 +294,9 @@ class CudaGraphBackend:
         pool. Graphs captured earlier keep the old one alive for as long as they live."""
         old, stranded = self.pool, _end_routing(self.index, self.pool)
         self.renew_pool()
-        if stranded:
+        if stranded:  # with no graph in it, the tensors it still holds move out (`stranded.py`)
             _hand_back(self.index, old, used=bool(self._graphs_in_pool.get(old)))
+            self.stranded += [] if self._graphs_in_pool.get(old) else [old]
 
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.
