@@ -40,3 +40,16 @@ def test_bincount_is_torchs_own_outside_a_cuda_capture_and_put_back_after():
             torch.bincount(values, w, 2), torch.tensor([0.0, 0.75, 0, 0, 0, 1.0], dtype=w.dtype)
         )
     assert torch.bincount is sync_free._original
+
+
+def test_one_function_stands_in_for_bincount_in_every_warm_up_and_capture():
+    """torch.compile guards on the functions a compiled model met: the warm-ups and the capture must hand it
+    the same one, made with compiling off once torch.compile is in use (a compiled model then calls it as
+    it is instead of compiling it at capture, which graphstep refuses)."""
+    import torch._dynamo  # torch.compile in use
+
+    seen = []
+    for _ in range(3):
+        with sync_free.counts_on_device():
+            seen.append(torch.bincount)
+    assert seen[0] is seen[1] is seen[2] and seen[0] is not sync_free._bincount

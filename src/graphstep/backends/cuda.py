@@ -181,10 +181,10 @@ class CudaGraphBackend:
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         self._make_room()
-        # as_captured: libraries that compute differently while a stream captures (transformers)
-        # run the path the graph will replay, so a compiled model compiles it here, not in capture.
+        # as_captured, counts_on_device: the path the graph replays, so a compiled model compiles it here.
         with (
             as_captured(),
+            counts_on_device(),
             self._on_capture_stream(),
             self._in_pool() if in_pool else contextlib.nullcontext(),
         ):

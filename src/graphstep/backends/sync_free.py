@@ -12,14 +12,15 @@ shorter result. That error ends the process's CUDA context; it is loud, not sile
 
 Only while a CUDA stream captures on this thread, for a 1-D integer CUDA input without weights, with
 `minlength > 0` and at most `_MOST_CELLS` comparisons; anything else is torch's own `bincount` (and a
-host read there still breaks the graph as before). Warm-ups run torch's own (a host read is allowed
-there): the counts are the same integers.
+host read there still breaks the graph as before). In warm-ups (not capturing) it is torch's own, a host
+read allowed: the counts are the same integers.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -59,13 +60,28 @@ def _bincount(input: torch.Tensor, weights: torch.Tensor | None = None, minlengt
     return _original(input, weights, minlength)
 
 
+_installed: list = []
+"""The function put in `torch.bincount`'s place: one object for the life of the process (torch.compile
+guards on the functions it met), made with compiling off once torch.compile is in use, so that a compiled
+model calls it as it is, in warm-ups and capture alike, instead of compiling it at capture."""
+
+
+def _replacement() -> Callable:
+    compiling = "torch._dynamo" in sys.modules
+    if not _installed or (compiling and _installed[0] is _bincount):
+        _installed[:] = [torch.compiler.disable(_bincount) if compiling else _bincount]
+    return _installed[0]
+
+
 @contextlib.contextmanager
 def counts_on_device() -> Iterator[None]:
-    """While inside (a capture): `torch.bincount` with a `minlength` counts on the device (module docstring)."""
+    """While inside (graphstep's warm-ups and captures): `torch.bincount` with a `minlength` counts on the
+    device while a stream captures (module docstring); the warm-ups call the same function, which is
+    torch's own there, so a compiled model meets one function in both."""
     if torch.bincount is not _original:  # nested, or someone else's patch: leave it
         yield
         return
-    torch.bincount = _bincount
+    torch.bincount = _replacement()
     try:
         yield
     finally:
