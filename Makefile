@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 # Optional frameworks, optimizer packages and config libraries the tests use (skipped
 # when absent): `make test EXTRAS=test,demo` leaves them out.
-EXTRAS ?= test,demo,optimizers,configs,lightning,huggingface
+EXTRAS ?= test,demo,optimizers,configs,lightning,huggingface,deepspeed
 TORCH_OK := import sys, torch; sys.exit(tuple(int(v) for v in torch.__version__.split('+')[0].split('.')[:2]) < (2, 6))
 TORCH_SITE := import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))
 VENV_SITE := import sysconfig; print(sysconfig.get_path('purelib'))

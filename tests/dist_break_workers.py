@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -157,6 +158,11 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer):
     return step
 
 
+def _trace(exc: BaseException) -> str:
+    """The end of the error's traceback, causes included (which call CUDA refused, when a capture fails)."""
+    return "".join(traceback.format_exception(exc))[-4000:]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -211,7 +217,7 @@ def train_with_breaks(
         try:
             got = step(x, y)
         except Exception as exc:  # the eager twin stops before this step too: nothing may be lost
-            error = {"call": i, "error": type(exc).__name__, "message": str(exc)}
+            error = {"call": i, "error": type(exc).__name__, "message": str(exc), "trace": _trace(exc)}
             if again:
                 try:
                     step(x, y)

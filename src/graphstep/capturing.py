@@ -26,6 +26,7 @@ from .backends.base import PartsRecording, Recording
 from .backends.cuda import CudaGraphBackend
 from .backends.loose import LooseArgumentRead
 from .diagnostics import capture_error, is_out_of_memory
+from .distributed import fsdp_parts
 from .distributed.breaks import agree_on_breaks, split_capture_hint
 from .effects import host_random
 from .errors import CaptureError, GraphStepError, OutOfMemoryAtCapture, WarmUpAgain
@@ -105,8 +106,13 @@ def capture_variant(
         else None
     )
 
+    # FSDP2's side streams and events kept inside each part of a capture split by breaks (fsdp_parts.py).
+    fsdp = fsdp_parts.fsdp_states(ctx.state.modules)
+    stream = backend.stream if isinstance(backend, CudaGraphBackend) else None
+
     def body(splitter: segments.Splitter, *a: Any, **k: Any) -> Any:
         with (
+            fsdp_parts.across_parts(splitter, fsdp, stream) as splitter,
             # Host random draws are refused, the generators put back (eager segments may draw).
             host_random.refusing(ctx.name, backend, ctx.fn, splitter, a, k, captured) as splitter,
             segments.capturing(splitter, params, segment_results) as session,

@@ -110,7 +110,8 @@ _LIKELY_CAUSES = (
         "autograd runs part of the backward on the default CUDA stream, which no graph can capture: "
         "a module kept state made on it. DistributedDataParallel and a DeepSpeed engine keep their gradient "
         "hooks on the stream they were built on: construct DDP (or call deepspeed.initialize) inside "
-        "`with torch.cuda.stream(graphstep.capture_stream()):`",
+        "`with torch.cuda.stream(graphstep.capture_stream()):` (graphstep.integrations.deepspeed.initialize "
+        "does that)",
     ),
     (
         ("not permitted when stream is capturing", "StreamCaptureUnsupported", "StreamCaptureImplicit"),
@@ -367,7 +368,15 @@ _DISTRIBUTIONS_DIR = os.path.join(_TORCH_DIR, "distributions") + os.sep
 
 # Library frames (file name, function or None for any) and the pattern they mean. The innermost
 # match wins: a distribution built inside a user's helper is still a distribution.
+DEEPSPEED_HINT = (
+    "a DeepSpeed engine's step reads its overflow flag and gradient norm on the host and advances Python "
+    "counters: capture it with graphstep.integrations.deepspeed.capture_engine_step(engine, step), which "
+    "runs engine.step() as an eager segment and keys the graph on the accumulation position"
+)
 _LIBRARY_HINTS = (
+    ("stage_1_and_2.py", None, DEEPSPEED_HINT),
+    ("bf16_optimizer.py", None, DEEPSPEED_HINT),
+    ("utils.py", ("is_invalid_grad_norm", "get_global_norm_of_tensors", "clip_grad_norm_"), DEEPSPEED_HINT),
     (
         "grad_scaler.py",
         ("get_scale", "_get_growth_tracker", "state_dict"),

@@ -14,6 +14,7 @@ from .base import CaptureBody, PartsRecording, Recording, empty_like_strided
 from .compiled import no_compiling
 from .libraries import as_captured
 from .segments import Splitter
+from .sync_free import counts_on_device
 
 
 # The allocator's pool-routing calls are private and were renamed across releases; the
@@ -180,10 +181,10 @@ class CudaGraphBackend:
 
     def warmup(self, fn: Callable, args: tuple, kwargs: dict, *, in_pool: bool = True) -> Any:
         self._make_room()
-        # as_captured: libraries that compute differently while a stream captures (transformers)
-        # run the path the graph will replay, so a compiled model compiles it here, not in capture.
+        # as_captured, counts_on_device: the path the graph replays, so a compiled model compiles it here.
         with (
             as_captured(),
+            counts_on_device(),
             self._on_capture_stream(),
             self._in_pool() if in_pool else contextlib.nullcontext(),
         ):
@@ -224,8 +225,8 @@ class CudaGraphBackend:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            # no_compiling: a torch.compile'd frame that would compile here raises before it does.
-            with as_captured(), no_compiling(), self._on_capture_stream():
+            # no_compiling: a compiled frame that would compile here raises; counts_on_device: sync_free.py.
+            with as_captured(), no_compiling(), counts_on_device(), self._on_capture_stream():
                 begin_part()
                 try:
                     outputs = body(Splitter(end_part, begin_part, executes=False), *args, **kwargs)

@@ -219,8 +219,8 @@ def mixtral_moe(ctx: BuildContext, experts: str = "eager") -> Workload:
     capture stops on CUDA (benchmarks/results/cpu_2026-11-27_moe-break-causes.md): `"eager"` experts
     dispatch tokens with `nonzero` (the experts module breaks); `"grouped_mm"` with these float32 weights
     takes torch's grouped-matmul fallback, which reads the offsets on the host (`_grouped_mm` breaks);
-    `"batched_mm"` nowhere. The auxiliary loss: nowhere with `histc` (transformers 5.24), one break
-    with `bincount` (5.17)."""
+    `"batched_mm"` nowhere. The auxiliary loss: nowhere (`histc` in transformers 5.24; 5.17's
+    `bincount` given its length is counted on the device while graphstep captures)."""
     transformers = need("transformers")
     shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,

@@ -34,7 +34,7 @@ from typing import Any
 from ..backends.graph_breaks import GraphBreaks
 from ..diagnostics import log
 from ..errors import CaptureError, CompileAtCaptureError, GraphStepError, WarmUpAgain
-from .ranks import Ranks, ddp_modules, fsdp_modules
+from .ranks import Ranks, ddp_modules
 
 _WHY_CHARS = 300
 """Of the error a break names, the part sent to the other ranks (the exchange carries 2,000 characters)."""
@@ -120,13 +120,6 @@ def agree_on_breaks(ranks: Ranks, breaks: GraphBreaks, own: BaseException | None
     return (CompileAtCaptureError if compiling else WarmUpAgain)(message, after_break=after_break)
 
 
-FSDP2_AROUND_A_BREAK = (
-    "FSDP2 orders its all-gathers and reduce-scatters with CUDA events, and a graph break inside a module "
-    "it wraps leaves events recorded in one part of the capture and waited for in another, which CUDA "
-    "refuses (H100s, torch 2.11). Graph breaks under FSDP2 are not supported yet. Instead: keep the host "
-    "read out of the step (on the device), use DistributedDataParallel (breaks work with one bucket), or "
-    "run this step without graphstep."
-)
 DDP_BUCKETS_AROUND_A_BREAK = (
     "With graph breaks under DistributedDataParallel this is what happens when a gradient bucket's "
     "all-reduce is issued in the backward before a break's segment and waited for after it (DDP with "
@@ -137,12 +130,9 @@ DDP_BUCKETS_AROUND_A_BREAK = (
 
 def split_capture_hint(error: BaseException, modules: list) -> str | None:
     """What to add to the error of a capture split by graph breaks that CUDA stopped with "invalid
-    argument": a wait in one part of the capture on work recorded in another, which DDP's buckets and
-    FSDP2's events make (seen on H100s); None for any other error or model."""
-    if "invalid argument" not in str(error):
-        return None
-    if ddp_modules(modules):
+    argument": a wait in one part of the capture on work recorded in another, which DDP's buckets make
+    (seen on H100s; FSDP2's events are kept inside each part, fsdp_parts.py); None for any other error
+    or model."""
+    if "invalid argument" in str(error) and ddp_modules(modules):
         return DDP_BUCKETS_AROUND_A_BREAK
-    if fsdp_modules(modules):
-        return FSDP2_AROUND_A_BREAK
     return None

@@ -9,7 +9,7 @@ to; and one warning for `print`/`logging` inside the step). `watch_writes` is wh
 
 from __future__ import annotations
 
-from .writes import WriteWatch
+from .writes import WriteWatch, redone_on_replays
 
 
 def watch_writes(step_name: str, *, allow_writes: bool, graphs: bool) -> WriteWatch:
@@ -19,4 +19,4 @@ def watch_writes(step_name: str, *, allow_writes: bool, graphs: bool) -> WriteWa
     return WriteWatch(step_name, allow=allow_writes, enabled=graphs)
 
 
-__all__ = ["WriteWatch", "watch_writes"]
+__all__ = ["WriteWatch", "redone_on_replays", "watch_writes"]

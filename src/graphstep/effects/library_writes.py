@@ -57,11 +57,16 @@ class LibraryWrites:
             site = where()
             self._first[key] = None if site is None else _First(kind, obj, name, before, text, *site)
 
-    def changed(self) -> list[tuple[str, str, Callable[[], None], tuple[int, str] | None, Any]]:
+    def changed(
+        self, redone: set[tuple[int, str | None]] = frozenset()
+    ) -> list[tuple[str, str, Callable[[], None], tuple[int, str] | None, Any]]:
         """(where, what, undo, attribute, module) for each place whose net change a replay would not
-        repeat."""
+        repeat. `redone`: (id of the object, attribute name, or None for a container's contents) of
+        places an integration sets again on every replay."""
         found = []
         for first in self._first.values():
+            if first is not None and (id(first.obj), first.name if first.kind == "attr" else None) in redone:
+                continue
             judged = None if first is None else _judge(first)
             if judged is not None:
                 found.append((first.where, *judged, first.module))

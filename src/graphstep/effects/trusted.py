@@ -56,9 +56,9 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     Trusted(
         "torch._ops",
-        ("_OpNamespace.__getattr__",),
-        "torch.ops' namespaces cache an operator the first time it is looked up (`torch.ops.aten.foo`): "
-        "the same object on every later call",
+        ("_OpNamespace.__getattr__", "_Ops.__getattr__"),
+        "torch.ops caches a namespace, and a namespace an operator, the first time it is looked up "
+        "(`torch.ops.c10d`, `torch.ops.aten.foo`): the same object on every later call",
         _T + "test_torch_lazy_operator_caches_fill_once_and_train_like_eager",
     ),
     Trusted(
@@ -205,6 +205,23 @@ TRUSTED: tuple[Trusted, ...] = (
         "backed off (a plain graphstep.capture cannot prepare an AcceleratedOptimizer)",
         "tests/test_integrations_accelerate.py::test_a_step_the_grad_scaler_skips_is_reported_skipped_after_replays_too",
     ),
+    # -- DeepSpeed -------------------------------------------------------------------------------
+    Trusted(
+        "deepspeed.runtime.base_optimizer",
+        (
+            "BackwardHookStateManager",
+            "ZeROOptimizer._remaining_grad_acc_hooks",
+            "ZeROOptimizer._backward_active_depth",
+            "ZeROOptimizer._backward_seen_this_step",
+            "ZeROOptimizer._epilogue_ran_this_backward",
+            "ZeROOptimizer._hooks_fired_this_backward",
+            "ZeROOptimizer._max_expected_hooks_seen",
+        ),
+        "ZeRO's count of the gradient hooks fired in one backward and whether its epilogue ran (the "
+        "autograd task id of its post-backward callback): reset by every forward "
+        "(`reset_for_new_step`) and every backward's start, read only inside that backward",
+        "tests/test_integrations_deepspeed.py::test_zero_engine_step_trains_like_the_eager_engine",
+    ),
     # -- Lightning -----------------------------------------------------------------------------
     *(
         Trusted(
@@ -304,8 +321,9 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     Trusted(
         "graphstep.effects.writes",
-        ("WriteWatch.__exit__",),
-        "the write watch's own list of what it found, filled as it stops watching",
+        ("WriteWatch.__exit__", "redone_on_replays"),
+        "the write watch's own list of what it found, filled as it stops watching, and of the places an "
+        "integration tells it are set again on every replay",
         "tests/test_effects_writes.py::test_an_attribute_counter_in_forward_is_refused_and_a_buffer_is_equal_to_eager",
     ),
     Trusted(
@@ -371,6 +389,14 @@ TRUSTED: tuple[Trusted, ...] = (
         "the values `self.log` got, the closure's routing): set before every call, and what a replay "
         "needs of it is redone after the replay",
         "tests/test_integrations_lightning.py::test_callback_trains_like_plain_lightning",
+    ),
+    Trusted(
+        "graphstep.integrations.deepspeed",
+        ("_Driver", "_Handover", "_put"),
+        "the DeepSpeed integration's hand-over: DeepSpeed's Python state as the captured backward left "
+        "it, put back before `engine.step()`'s segment on every replay (and rolled back at capture, "
+        "so that the capture leaves what eager leaves); the places are told to the write watch",
+        "tests/test_integrations_deepspeed.py::test_zero_engine_step_trains_like_the_eager_engine",
     ),
     Trusted(
         "graphstep.integrations.huggingface",

@@ -147,6 +147,9 @@ class WriteWatch:
         self._library = LibraryWrites()
         self._pending: dict[types.FrameType, _Pending] = {}
         self._previous_trace: Any = None
+        self._redone: set[tuple[int, str | None]] = set()
+        """(id of the object, attribute name or None for its contents) of places an integration sets
+        again on every replay."""
 
     # -- entering and leaving --------------------------------------------------------------------
 
@@ -172,6 +175,7 @@ class WriteWatch:
             if profile is None or callable(profile):
                 sys.setprofile(profile)
         self._active = True
+        _watching.append(self)
         _ask_for_opcode_events()
         sys.settrace(unseen(self._trace))  # called inside compiled models too: not to be compiled
         return self
@@ -181,9 +185,11 @@ class WriteWatch:
             return
         sys.settrace(self._previous_trace)
         self._active = False
+        _watching.remove(self)
         for frame in list(self._pending):
             self.finish(frame)
-        self.writes += [Write(*found) for found in self._library.changed()]
+        self.writes += [Write(*found) for found in self._library.changed(self._redone)]
+        self.writes = [w for w in self.writes if w.attribute is None or w.attribute not in self._redone]
         self._census.drop()
         if kind is not None:
             self.roll_back()
@@ -364,6 +370,18 @@ class WriteWatch:
         self.writes.append(Write(self._where(frame, line), what, undo, attribute))
 
 
+_watching: list[WriteWatch] = []
+"""The watches of the captures running now, innermost last."""
+
+
+def redone_on_replays(obj: Any, name: str | None = None) -> None:
+    """Attribute `name` of `obj` (None: the contents of container `obj`) is set by an integration on
+    every replay, to what the capture's Python left there (the DeepSpeed integration's hand-over to
+    `engine.step()`'s segment): the capture running now does not refuse its Python's writes to it."""
+    if _watching:
+        _watching[-1]._redone.add((id(obj), name))
+
+
 def _ask_for_opcode_events() -> None:
     """Python 3.12 turns opcode events on when a tracer is installed only if some frame of the
     process asked for them before (a flag that stays set): ask once, so that the first capture of a
@@ -411,7 +429,13 @@ def refusal(step_name: str, writes: list[Write]) -> str:
     )
 
 
+_DEEPSPEED_ENGINE = os.path.join("deepspeed", "runtime", "engine.py")
 _HINTS = {
+    (_DEEPSPEED_ENGINE, " in "): (
+        "These are DeepSpeed's engine counters and timers: capture the step with "
+        "graphstep.integrations.deepspeed.capture_engine_step(engine, step), which runs engine.step() as "
+        "an eager segment (its counters with it) and keys the graph on the accumulation position."
+    ),
     (os.path.join("accelerate", "accelerator.py"), " in _do_sync: "): (
         "This is accelerate's gradient-accumulation counter, advanced by `accelerator.accumulate(model)`: "
         "capture the step with graphstep.integrations.huggingface.capture_accelerated(accelerator, step, "

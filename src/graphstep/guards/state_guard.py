@@ -48,6 +48,7 @@ from .module_inputs import ModuleInputs
 from .optimizer import OptimizerWatch
 from .read_guard import ReadGuard
 from .reads import Reads
+from .walk import is_unchanging
 
 _data_ptr = torch.Tensor.data_ptr
 _get_grad = operator.attrgetter("grad")
@@ -189,7 +190,9 @@ class StateGuard:
         known = {id(m) for root in state.modules for m in root.modules()}
         extra = []
         for label, v in self.reads.reached():
-            if isinstance(v, nn.Module) and id(v) not in known:
+            # An unchanging module (`graphstep.unchanging`: a DeepSpeed engine) is compared by identity
+            # only: its Python attributes are not guarded (its parameters are its model's, given).
+            if isinstance(v, nn.Module) and id(v) not in known and not is_unchanging(v):
                 known.update(id(m) for m in v.modules())
                 extra.append((label, v))
         named = list(named_state_tensors(graph_state, fn))

@@ -73,7 +73,7 @@ def unchanging(obj: Any) -> Any:
     """Mark `obj` as unchanging between calls of any captured step, and return it.
 
     The guards then compare it by identity only: they neither read its contents (a config object or
-    container the step reads) nor name it as an object they cannot see into, and
+    container the step reads; a module's Python attributes) nor name it as an object they cannot see into, and
     `Config(strict_reads=True)` accepts it. Changing it between calls is then yours to avoid: a
     replay keeps what the capture read. An object that takes no weak reference is kept alive.
     """

@@ -1,0 +1,452 @@
+"""DeepSpeed: a ZeRO-1/2 engine's training step captured, `engine(x)`, `engine.backward(loss)`, `engine.step()`.
+
+    import graphstep.integrations.deepspeed as gs_deepspeed
+    engine, optimizer, _, scheduler = gs_deepspeed.initialize(model=model, config=ds_config, ...)
+
+    def train_step(x, y):
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    step = gs_deepspeed.capture_engine_step(engine, train_step)
+    for x, y in loader:
+        loss = step(x, y)
+
+What runs where. The forward, the backward (ZeRO's gradient hooks: bucketing, the reduction or
+reduce-scatter into each rank's partition, DeepSpeed's scaling of the loss for accumulation and by
+the loss scale) is captured. `engine.step()` runs as an eager segment after it, on every call
+(replays included): ZeRO's overflow check and gradient norm (both read on the host), the dynamic loss
+scaler's update, clipping, the torch optimizer's update, the all-gather of the updated partitions,
+DeepSpeed's lr scheduler, and DeepSpeed's counters (`global_steps`, `micro_steps`, `skipped_steps`,
+`global_samples`): all of it exactly as eager DeepSpeed runs it, so those Python values are DeepSpeed's
+own. A micro-batch that only accumulates (`gradient_accumulation_steps > 1`) runs `engine.step()`'s
+counting too, with no host read.
+
+What a graph would bake, and how each stays right:
+
+- **The accumulation boundary.** DeepSpeed decides from its counter (`micro_steps`) whether this
+  micro-batch ends an accumulation window, and ZeRO's backward whether it is the first of one. The
+  position in the window (`micro_steps % gradient_accumulation_steps`) is part of the graph's key: one
+  graph per position, read before every call.
+- **The loss scale** (fp16's dynamic scaler): the backward multiplies the loss by the scaler's Python
+  float. While the step's Python runs, that product reads a device tensor instead, filled from the
+  scaler before every call: a scale the segment halved or doubled reaches the next replay.
+- **What ZeRO's backward hands its step in Python** (the averaged gradients' lists, the micro-step
+  id, flags): a replay runs no Python, so the segment puts back what the captured backward left, the
+  tensors it names being the graph's own, before `engine.step()` runs.
+- **The throughput timer** DeepSpeed starts in the forward: started eagerly before every call
+  (its stop is in the step's segment).
+
+Refused when the engine is handed over (`UnsupportedEngineError`, with DeepSpeed's name for it and what
+to set): ZeRO stage 3 and stage 0, DeepSpeed's pipeline engine, CPU offload,
+`wall_clock_breakdown`, the flops profiler, `managed_gradient_accumulation: false`, a custom or torch
+autocast loss scaler. On a GPU the engine must be built on graphstep's capture stream: `initialize` here
+does that (ZeRO's gradient hooks and accumulators are made at initialize, and autograd runs them on that
+stream); ZeRO's `overlap_comm` waits for its reduction stream on the host inside the backward and is
+refused on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import effects
+from ..backends import segments
+from ..backends.cuda import capture_stream
+from ..capture import CapturedStep
+from ..config import Config
+from ..errors import CaptureError
+from ..guards import unchanging
+
+__all__ = ["UnsupportedEngineError", "capture_engine_step", "initialize"]
+
+
+class UnsupportedEngineError(CaptureError):
+    """A DeepSpeed engine whose step graphstep cannot capture: what it is, in DeepSpeed's words, and
+    what to set instead. Nothing was run."""
+
+
+def _deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            "graphstep.integrations.deepspeed needs DeepSpeed: pip install 'graphstep[deepspeed]'."
+        ) from exc
+    return deepspeed
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """`deepspeed.initialize(...)`, on graphstep's capture stream when CUDA is there.
+
+    ZeRO registers its gradient hooks and accumulators at initialize; autograd runs them on the stream
+    they were made on, and a backward captured on graphstep's stream cannot wait on the default one
+    (as DDP, which is built the same way: see `graphstep.capture_stream`)."""
+    deepspeed = _deepspeed()
+    if not torch.cuda.is_available():
+        return deepspeed.initialize(*args, **kwargs)
+    with torch.cuda.stream(capture_stream()):
+        return deepspeed.initialize(*args, **kwargs)
+
+
+def capture_engine_step(engine: Any, fn: Callable | None = None, *, config: Config | None = None) -> Any:
+    """`graphstep.capture` for a step that trains DeepSpeed engine `engine` (see the module's docstring).
+
+    `fn` calls `engine(...)`, `engine.backward(loss)` and `engine.step()` once each, as DeepSpeed's
+    examples write a step; one call is one micro-batch. Usable as a decorator:
+    `@capture_engine_step(engine)`. Raises `UnsupportedEngineError` for what it cannot capture."""
+    if fn is None:
+        return functools.partial(capture_engine_step, engine, config=config)
+    driver = _Driver(engine)
+
+    # Called through this function, graphstep's search for state looks at `step`'s closure (the
+    # driver), not `fn`'s: the engine's ZeRO optimizer and the torch optimizer inside it are
+    # DeepSpeed's to step, in the segment, and graphstep must not prepare them.
+    @functools.wraps(fn)
+    def step(*args: Any, _graphstep_deepspeed: tuple = (), **kwargs: Any) -> Any:
+        return driver.run(fn, args, kwargs)
+
+    del step.__wrapped__
+    # The engine's Python values the captured part reads are its counters (the accumulation position,
+    # in the key) and its configuration; its counters change on every call, in the step's segment.
+    # Compared by identity only: a guard on its contents would re-capture on every call.
+    unchanging(engine)
+    captured = _EngineStep(step, model=engine.module, config=config)
+    captured._driver = driver
+    return captured
+
+
+class _EngineStep(CapturedStep):
+    """A `CapturedStep` whose calls carry the engine's accumulation position in their key."""
+
+    _driver: _Driver
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        driver, stats = self._driver, self._stats
+        key = driver.before_call()
+        position = key[0]
+        generation = driver.window.generation_for(position)
+        before = (stats.replays, stats.captures, stats.variant_switches, stats.variants)
+        with driver.calling():
+            result = super().__call__(*args, _graphstep_deepspeed=(*key, generation), **kwargs)
+        replayed = stats.replays > before[0] and stats.variant_switches == before[2]
+        captured = stats.captures > before[1]
+        driver.window.ran(
+            position, graph=captured or (replayed and stats.variants == before[3]), captured=captured
+        )
+        return result
+
+
+class _Window:
+    """Which graph of an accumulation window each position's graph was captured after.
+
+    ZeRO's backward keeps the window's gradients in buffers its Python makes (the bucket, the
+    partition of averaged gradients), and hands them from one micro-batch to the next in Python.
+    A graph captured for position `p` reads the tensors of what ran for `p - 1` when it was
+    captured: that graph's, or an eager run's. When `p - 1` has run anything else since (an eager
+    call, a graph captured again, another variant), `p`'s graph would read stale buffers: its
+    generation, part of the key, moves on, and `p` warms up and is captured again."""
+
+    def __init__(self) -> None:
+        self.generation: dict[int, int] = {}
+        self.source: dict[int, Any] = {}
+        """Per position: what ran for it last: (generation, captures there) of a graph, or a fresh
+        object for an eager run."""
+        self.after: dict[int, Any] = {}
+        """Per position with a graph in its generation: the source of `p - 1` it was captured after."""
+        self.captures: dict[int, int] = {}
+
+    def generation_for(self, position: int) -> int:
+        if position in self.after and self.after[position] != self.source.get(position - 1):
+            self.generation[position] = self.generation.get(position, 0) + 1
+            del self.after[position]
+        return self.generation.get(position, 0)
+
+    def ran(self, position: int, *, graph: bool, captured: bool) -> None:
+        if captured:
+            self.captures[position] = self.captures.get(position, 0) + 1
+            self.after[position] = self.source.get(position - 1)
+        if graph:
+            self.source[position] = (self.generation.get(position, 0), self.captures.get(position, 0))
+        else:
+            self.source[position] = object()
+
+
+class _Driver:
+    """What one captured engine step does around DeepSpeed's Python: the key, the live loss scale,
+    the timer, and `engine.step()` as a segment."""
+
+    def __init__(self, engine: Any) -> None:
+        _check_supported(engine)
+        self.engine = engine
+        self.zero = engine.optimizer
+        self.scaler = getattr(self.zero, "loss_scaler", None)
+        device = next(engine.module.parameters()).device
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        """The loss scale the captured backward multiplies by: the scaler's float, filled before every call."""
+        self.window = _Window()
+        self.before: tuple[dict[tuple, tuple], set[int]] = ({}, set())
+        """While the step's Python runs: DeepSpeed's Python state at its start (`_places`)."""
+
+    def before_call(self) -> tuple:
+        """DeepSpeed's Python decisions for this call, as the graph's key; the loss scale and the timer."""
+        engine = self.engine
+        if self.scaler is not None:
+            self.scale.fill_(float(self.scaler.loss_scale))
+        if engine.training_dataloader is None:  # as the engine's forward does (its own start is off)
+            engine.tput_timer.start()
+        position = engine.micro_steps % engine.gradient_accumulation_steps()
+        return position, engine._is_gradient_accumulation_boundary
+
+    @contextlib.contextmanager
+    def calling(self) -> Any:
+        """While graphstep runs the call: `engine.step` routed through `_step`, the loss scaled by the
+        device tensor, the forward's timer start left to `before_call`."""
+        engine, scaler, timer = self.engine, self.scaler, self.engine.tput_timer
+        engine.__dict__["step"] = self._step  # not Module.__setattr__: no module bookkeeping
+        timer.start = _nothing
+        if scaler is not None:
+            scaler.scale_loss = self._scale_loss
+        try:
+            yield
+        finally:
+            engine.__dict__.pop("step", None)
+            timer.__dict__.pop("start", None)
+            if scaler is not None:
+                scaler.__dict__.pop("scale_loss", None)
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """The step's Python (a warm-up or a capture)."""
+        self.before = _places(self._handed_over())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.before = ({}, set())
+
+    def _handed_over(self) -> tuple:
+        return self.engine, self.zero
+
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # Bitwise as DeepSpeed's `loss * cur_scale`: a Python float multiplies in float32 (opmath) and
+        # rounds to the loss's dtype, as this does.
+        return (loss.float() * self.scale).to(loss.dtype)
+
+    def _step(self, lr_kwargs: Any = None) -> None:
+        """`engine.step()` inside the step's Python: an eager segment."""
+        real = type(self.engine).step
+        args = (self.engine, lr_kwargs)
+        if isinstance(segments.active(), segments.Capture):
+            handover = _Handover(self._handed_over(), self.before)
+            handover.roll_back()  # what the captured backward wrote: each replay's segment sets it again
+            handover.redone()
+            segments.run(handover.step, (real, *args), {}, "DeepSpeedEngine.step", returns_none=True)
+        else:
+            segments.run(real, args, {}, "DeepSpeedEngine.step", returns_none=True)
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+# -- what the captured backward hands the step in Python ---------------------------------------------
+
+_DEPTH = 4
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _places(roots: tuple) -> tuple[dict[tuple, tuple], set[int]]:
+    """The Python state DeepSpeed keeps under `roots` (the engine, its ZeRO optimizer): every attribute
+    of theirs and of DeepSpeed's objects they hold, and the contents of every list and dict among
+    them, `_DEPTH` levels down. Returns {place: (holder, name or None, value or contents)} and the
+    ids of the objects walked."""
+    places: dict[tuple, tuple] = {}
+    seen: set[int] = set()
+    stack = [(root, 0) for root in roots]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if type(obj) is list:
+            children = list(obj)
+            places["items", id(obj)] = (obj, None, children)
+        elif type(obj) is dict:
+            contents = dict(obj)
+            places["items", id(obj)] = (obj, None, contents)
+            children = list(contents.values())
+        else:
+            attributes = vars(obj)
+            for name, value in attributes.items():
+                places["attr", id(obj), name] = (obj, name, value)
+            children = list(attributes.values())
+        if depth < _DEPTH:
+            stack += [(c, depth + 1) for c in children if _walked(c)]
+    return places, seen
+
+
+def _walked(value: Any) -> bool:
+    t = type(value)
+    if t is list or t is dict or t is torch.nn.Parameter:  # a parameter: ZeRO's `grad_accum` on it
+        return True
+    return t.__module__.startswith("deepspeed.") and not isinstance(value, (torch.nn.Module, torch.Tensor))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) in (list, dict) and type(b) is type(a):
+        if len(a) != len(b):
+            return False
+        if type(a) is dict:
+            return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return all(_same(x, y) for x, y in zip(a, b))
+    return a is b or (type(a) is type(b) and type(a) in _PLAIN and a == b)
+
+
+def _put(holder: Any, name: str | None, value: Any) -> None:
+    if name is not None:
+        holder.__dict__[name] = value
+    elif type(holder) is list:
+        holder[:] = value
+    else:
+        holder.clear()
+        holder.update(value)
+
+
+class _Handover:
+    """The Python state the captured part of a step left for `engine.step()`: every place under the
+    engine and its ZeRO optimizer it changed since the step began, and the contents of the containers
+    it made. A replay runs no Python before the step's segment: the segment puts these back first."""
+
+    def __init__(self, roots: tuple, before: tuple[dict[tuple, tuple], set[int]]) -> None:
+        was, existed = before
+        now, _ = _places(roots)
+        changed = [key for key, entry in now.items() if key in was and not _same(was[key][2], entry[2])]
+        # New places: an attribute added, the contents of a container the captured part made.
+        made = [
+            key
+            for key, (holder, _, _) in now.items()
+            if key not in was and (key[0] == "attr" or id(holder) not in existed)
+        ]
+        self.now = [
+            (holder, name, _copied(value)) for holder, name, value in (now[k] for k in changed + made)
+        ]
+        """(holder, attribute or None, value or contents) as the captured part left them."""
+        self.was = [was[key] for key in changed]
+        """The same places as the step began (those that existed then)."""
+        self.added = [now[key][:2] for key in made if key[0] == "attr"]
+        self.removed = [was[key] for key in was if key not in now and key[0] == "attr"]
+        """Attributes the captured part added or deleted."""
+
+    def roll_back(self) -> None:
+        """Put the places the captured part changed back as they were when the step began."""
+        for holder, name, value in self.was:
+            _put(holder, name, _copied(value))
+        for holder, name in self.added:
+            holder.__dict__.pop(name, None)
+        for holder, name, value in self.removed:
+            holder.__dict__[name] = value
+
+    def redone(self) -> None:
+        """Tell the capture's write watch that every replay sets these places again."""
+        for holder, name, _ in self.now:
+            effects.redone_on_replays(holder, name)
+        for holder, name, _ in self.removed:
+            effects.redone_on_replays(holder, name)
+
+    def step(self, real: Callable, *args: Any) -> None:
+        """`engine.step()` after putting back what the captured part left (a replay's segment)."""
+        for holder, name, value in self.now:
+            _put(holder, name, _copied(value))
+        for holder, name, _ in self.removed:
+            holder.__dict__.pop(name, None)
+        real(*args)
+
+
+def _copied(value: Any) -> Any:
+    return list(value) if type(value) is list else dict(value) if type(value) is dict else value
+
+
+# -- what is refused -----------------------------------------------------------------------------------
+
+
+def _check_supported(engine: Any) -> None:
+    deepspeed = _deepspeed()
+    name = type(engine).__name__
+    if not isinstance(engine, deepspeed.DeepSpeedEngine):
+        raise UnsupportedEngineError(
+            f"capture_engine_step takes the engine deepspeed.initialize returned, not a {name}."
+        )
+    refusals = []
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        refusals.append(
+            "ZeRO stage 3 (`zero_optimization.stage: 3`): its parameters are gathered and released "
+            "by hooks around every module, with Python bookkeeping (the prefetch coordinator's trace, "
+            "each parameter's `ds_status`) that changes during the step and a replay would not redo. "
+            "Use stage 1 or 2, or run the stage-3 engine without graphstep"
+        )
+    elif stage == 0:
+        refusals.append(
+            "ZeRO stage 0 (`zero_optimization.stage: 0`): only stages 1 and 2 are supported; set "
+            "`zero_optimization.stage` to 1 (the optimizer state partitioned, as cheap as stage 0 on one rank)"
+        )
+    if stage == 2 and engine.gradient_accumulation_steps() > 1 and engine.dp_world_size > 1:
+        refusals.append(
+            "ZeRO stage 2 with `gradient_accumulation_steps` > 1 on more than one data-parallel rank: "
+            "its reduce-scatter into each rank's partition across the micro-batches of a window did not "
+            "replay as eager does (found on 2 ranks: the window's last update differed). Use stage 1 "
+            "(bitwise with accumulation on any number of ranks), or `gradient_accumulation_steps: 1`"
+        )
+    if getattr(engine.optimizer, "overlap_comm", False) and next(engine.module.parameters()).is_cuda:
+        refusals.append(
+            "`zero_optimization.overlap_comm: true`: ZeRO waits for its reduction stream on the host "
+            "inside the backward (`accelerator.synchronize()`), which no CUDA graph can capture; set "
+            "`overlap_comm: false` (the reductions run on the capture stream, in the graph)"
+        )
+    if type(engine).__name__ == "PipelineEngine":
+        refusals.append(
+            "DeepSpeed's pipeline engine (`PipelineModule`): its `train_batch` drives its own schedule"
+        )
+    if engine.zero_cpu_offload():
+        refusals.append(
+            "ZeRO-Offload (`zero_optimization.offload_optimizer`): its step reads overflow and norms "
+            "on the host from CPU buffers the backward fills; set `offload_optimizer.device: none`"
+        )
+    if engine.wall_clock_breakdown():
+        refusals.append(
+            "`wall_clock_breakdown: true`: its timers synchronise the device in the forward and "
+            "backward; set it to false"
+        )
+    if engine.flops_profiler_enabled():
+        refusals.append("the flops profiler (`flops_profiler.enabled: true`): turn it off")
+    if not engine.managed_gradient_accumulation():
+        refusals.append(
+            "`managed_gradient_accumulation: false`: the step's accumulation boundary is the caller's; "
+            "leave it true (DeepSpeed's own `gradient_accumulation_steps`)"
+        )
+    if getattr(engine, "random_ltd_enabled", lambda: False)():
+        refusals.append("random layer token drop (`data_efficiency.data_routing.random_ltd`): turn it off")
+    zero = engine.optimizer
+    if getattr(zero, "custom_loss_scaler", False):
+        refusals.append(
+            "a loss scale set by `override_loss_scale`: its Python float would be baked into the graph"
+        )
+    if getattr(zero, "torch_autocast_gradscaler", None) is not None or getattr(
+        engine, "torch_autocast_z0_gradscaler", None
+    ):
+        refusals.append("`torch_autocast` with a GradScaler: use DeepSpeed's own `fp16` or `bf16`")
+    if not isinstance(zero, deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer) and stage in (1, 2):
+        refusals.append(
+            f"the engine's optimizer is a {type(zero).__name__}, not ZeRO's DeepSpeedZeroOptimizer"
+        )
+    if refusals:
+        raise UnsupportedEngineError(
+            f"capture_engine_step cannot capture this DeepSpeed {name}'s step:\n"
+            + "\n".join(f"  - {r}." for r in refusals)
+            + "\nNothing was run; the engine is as it was."
+        )
