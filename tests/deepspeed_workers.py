@@ -103,6 +103,17 @@ def batches(rank: int, steps: int, device: str, sizes: list[int] | None = None) 
     ]
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_grad(p: torch.Tensor, q: torch.Tensor) -> bool:
+    """Bit for bit (an fp16 window that overflows holds NaN, which torch.equal calls different)."""
+    if p.grad is None or q.grad is None:
+        return p.grad is None and q.grad is None
+    bits = _BITS[p.grad.element_size()]
+    return p.grad.dtype == q.grad.dtype and torch.equal(p.grad.view(bits), q.grad.view(bits))
+
+
 def _loss_scale(engine: Any) -> float | None:
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     return None if scaler is None else float(scaler.loss_scale)
@@ -118,11 +129,14 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
     data = batches(rank, case["steps"], device, case.get("sizes"))
     step = capture_engine_step(engine, ds_step(engine), config=config)
     eager = ds_step(twin)
-    losses, wanted, scales = [], [], []
-    for x, y in data:
+    losses, wanted, scales, bad_grads = [], [], [], []
+    for i, (x, y) in enumerate(data):
         losses.append(step(x, y))
         wanted.append(eager(x, y))
         scales.append((_loss_scale(engine), _loss_scale(twin)))
+        # `param.grad` as a user sees it after the call (inside an accumulation window: the window's so far)
+        if not all(_same_grad(p, q) for p, q in zip(engine.module.parameters(), twin.module.parameters())):
+            bad_grads.append(i)
     stats = step.stats
     step.close()
     bad_loss = [i for i, (a, b) in enumerate(zip(losses, wanted)) if not torch.equal(a, b)]
@@ -135,6 +149,7 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
         "case": case,
         "bad_loss_steps": bad_loss,
         "bad_params": bad_params,
+        "bad_grad_steps": bad_grads,
         "scales_equal": all(a == b for a, b in scales),
         "scales": sorted({a for a, _ in scales if a is not None}),
         "lr": (engine.get_lr(), twin.get_lr()),
@@ -148,6 +163,7 @@ def check(report: dict) -> None:
     """Assert a `compare` report is equal to eager in everything it compares, and that graphs ran."""
     case = report["case"]
     assert not report["bad_loss_steps"] and not report["bad_params"], report
+    assert not report["bad_grad_steps"], report
     assert report["scales_equal"] and report["lr"][0] == report["lr"][1], report
     assert all(a == b for a, b in report["counters"].values()), report
     assert report["stats"]["replays"] > 0, report

@@ -341,6 +341,10 @@ class _Handover:
         self.added = [now[key][:2] for key in made if key[0] == "attr"]
         self.removed = [was[key] for key in was if key not in now and key[0] == "attr"]
         """Attributes the captured part added or deleted."""
+        # ZeRO moves gradients into its buckets and partitions with `grad.data = view`: the tensor stays,
+        # its memory changes. A later capture may move the same tensor again; each replay's segment
+        # finds every tensor of the hand-over (and the parameters' gradients) on the memory it had here.
+        self.memory = [(t, t.detach()) for t in _tensors(now.values(), roots)]
 
     def roll_back(self) -> None:
         """Put the places the captured part changed back as they were when the step began."""
@@ -364,7 +368,25 @@ class _Handover:
             _put(holder, name, _copied(value))
         for holder, name, _ in self.removed:
             holder.__dict__.pop(name, None)
+        for t, memory in self.memory:
+            if t.data_ptr() != memory.data_ptr() or t.shape != memory.shape or t.stride() != memory.stride():
+                t.data = memory
         real(*args)
+
+
+def _tensors(entries: Any, roots: tuple) -> list[torch.Tensor]:
+    """The tensors among the places' values (and one level into lists and dicts), and the gradients
+    of the engine's parameters, each once."""
+    found: dict[int, torch.Tensor] = {}
+    for _, _, value in entries:
+        items = value if type(value) is list else value.values() if type(value) is dict else [value]
+        for item in items:
+            inner = item if type(item) is list else item.values() if type(item) is dict else [item]
+            found.update((id(t), t) for t in inner if isinstance(t, torch.Tensor))
+    for p in roots[0].parameters():
+        if p.grad is not None:
+            found[id(p.grad)] = p.grad
+    return list(found.values())
 
 
 def _copied(value: Any) -> Any:
