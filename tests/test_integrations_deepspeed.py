@@ -21,7 +21,7 @@ import pytest
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs DeepSpeed (pip install graphstep[deepspeed])", allow_module_level=True)
 
-from deepspeed_workers import check, refusals, train_cases
+from deepspeed_workers import check, refusals, train_cases, two_ranks
 from ranks import run_ranks
 
 ONE_RANK = [
@@ -46,9 +46,12 @@ def test_zero_engine_step_on_two_ranks_trains_like_the_eager_engine():
         {"zero": 2, "dtype": "bf16", "accum": 1, "steps": 6},
         {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 10},
     ]
-    for rank_reports in run_ranks(train_cases, 2, cases=cases, timeout=180):
-        for report in rank_reports:
+    for found in run_ranks(two_ranks, 2, cases=cases, timeout=180):
+        for report in found["reports"]:
             check(report)
+        # ZeRO-2 with accumulation on more than one rank: refused (not bitwise on two ranks yet)
+        said = found["zero2_accumulation"]
+        assert "ZeRO stage 2 with `gradient_accumulation_steps` > 1" in said and "Use stage 1" in said, said
 
 
 def test_what_cannot_be_captured_is_refused_with_deepspeeds_name_for_it():
