@@ -22,7 +22,9 @@ import graphstep
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps", "global_samples")
 
 
-def ds_config(zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: int = 4096) -> dict:
+def ds_config(
+    zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: int = 4096, contiguous: bool = True
+) -> dict:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
@@ -33,6 +35,7 @@ def ds_config(zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: i
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": bucket,
             "overlap_comm": False,
+            "contiguous_gradients": contiguous,
         },
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}},
@@ -123,7 +126,13 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
     """Train a captured engine and its eager twin on the same micro-batches; report what differs."""
     from graphstep.integrations.deepspeed import capture_engine_step
 
-    ds = ds_config(case["zero"], case["dtype"], case["accum"], clip=case.get("clip", 1.0))
+    ds = ds_config(
+        case["zero"],
+        case["dtype"],
+        case["accum"],
+        clip=case.get("clip", 1.0),
+        contiguous=case.get("contiguous", True),
+    )
     engine = make_engine(ds, on_capture_stream=device == "cuda")
     twin = make_engine(ds)
     data = batches(rank, case["steps"], device, case.get("sizes"))

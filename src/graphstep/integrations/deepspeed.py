@@ -417,12 +417,19 @@ def _check_supported(engine: Any) -> None:
             "ZeRO stage 0 (`zero_optimization.stage: 0`): only stages 1 and 2 are supported; set "
             "`zero_optimization.stage` to 1 (the optimizer state partitioned, as cheap as stage 0 on one rank)"
         )
-    if stage == 2 and engine.gradient_accumulation_steps() > 1 and engine.dp_world_size > 1:
+    zero = engine.optimizer
+    if (
+        stage == 2
+        and engine.gradient_accumulation_steps() > 1
+        and engine.dp_world_size > 1
+        and getattr(zero, "contiguous_gradients", False)
+    ):
         refusals.append(
-            "ZeRO stage 2 with `gradient_accumulation_steps` > 1 on more than one data-parallel rank: "
-            "its reduce-scatter into each rank's partition across the micro-batches of a window did not "
-            "replay as eager does (found on 2 ranks: the window's last update differed). Use stage 1 "
-            "(bitwise with accumulation on any number of ranks), or `gradient_accumulation_steps: 1`"
+            "ZeRO stage 2 with `gradient_accumulation_steps` > 1 on more than one data-parallel rank and "
+            "`zero_optimization.contiguous_gradients: true` (its default): a window's gradients, moved "
+            "between its contiguous buckets and partitions, did not replay as eager does (found on 2 "
+            "ranks: the window's last update differed). Set `contiguous_gradients: false` (bitwise, "
+            "tested on 2 ranks), or use stage 1"
         )
     if getattr(engine.optimizer, "overlap_comm", False) and next(engine.module.parameters()).is_cuda:
         refusals.append(
@@ -453,7 +460,6 @@ def _check_supported(engine: Any) -> None:
         )
     if getattr(engine, "random_ltd_enabled", lambda: False)():
         refusals.append("random layer token drop (`data_efficiency.data_routing.random_ltd`): turn it off")
-    zero = engine.optimizer
     if getattr(zero, "custom_loss_scaler", False):
         refusals.append(
             "a loss scale set by `override_loss_scale`: its Python float would be baked into the graph"
