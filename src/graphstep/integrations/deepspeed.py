@@ -188,7 +188,7 @@ class _Driver:
         self.zero = engine.optimizer
         self.scaler = getattr(self.zero, "loss_scaler", None)
         device = next(engine.module.parameters()).device
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float64, device=device)
         """The loss scale the captured backward multiplies by: the scaler's float, filled before every call."""
         self.window = _Window()
         self.before: tuple[dict[tuple, tuple], set[int]] = ({}, set())
@@ -233,9 +233,12 @@ class _Driver:
         return self.engine, self.zero
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        # Bitwise as DeepSpeed's `loss * cur_scale`: a Python float multiplies in float32 (opmath) and
-        # rounds to the loss's dtype, as this does.
-        return (loss.float() * self.scale).to(loss.dtype)
+        # Bitwise as DeepSpeed's `loss * cur_scale`: the Python float becomes the loss's math type
+        # (float32 for 16- and 32-bit losses, float64 for a double loss), the product is rounded to
+        # the loss's dtype; the scale is kept in float64 as the float it copies.
+        if loss.dtype == torch.float64:
+            return loss * self.scale
+        return (loss.float() * self.scale.float()).to(loss.dtype)
 
     def _step(self, lr_kwargs: Any = None) -> None:
         """`engine.step()` inside the step's Python: an eager segment."""
