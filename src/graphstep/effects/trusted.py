@@ -207,6 +207,14 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     # -- DeepSpeed -------------------------------------------------------------------------------
     Trusted(
+        "deepspeed.runtime.engine",
+        ("_EngineBackwardGraphTracker",),
+        "which autograd graph task an `engine.backward` runs (its loss's hook registers it, on autograd's "
+        "thread on a GPU; `engine.backward` unregisters it in its `finally`): empty again after every "
+        "call, read only inside a backward",
+        "tests/test_integrations_deepspeed.py::test_zero_engine_step_trains_like_the_eager_engine",
+    ),
+    Trusted(
         "deepspeed.runtime.base_optimizer",
         (
             "BackwardHookStateManager",

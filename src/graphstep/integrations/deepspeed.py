@@ -328,6 +328,8 @@ class _Handover:
     def __init__(self, roots: tuple, before: tuple[dict[tuple, tuple], set[int]]) -> None:
         was, existed = before
         now, _ = _places(roots)
+        self.places = [(holder, name) for holder, name, _ in now.values()]
+        """Every place under the engine and its ZeRO optimizer, changed or not."""
         changed = [key for key, entry in now.items() if key in was and not _same(was[key][2], entry[2])]
         # New places: an attribute added, the contents of a container the captured part made.
         made = [
@@ -359,8 +361,13 @@ class _Handover:
             holder.__dict__[name] = value
 
     def redone(self) -> None:
-        """Tell the capture's write watch that every replay sets these places again."""
-        for holder, name, _ in self.now:
+        """Tell the capture's write watch that DeepSpeed's state is this hand-over's to judge: every place
+        the captured part changed is set again before each replay's segment, and the others were left as
+        they were. The watch traces the calling thread only; on a GPU autograd runs ZeRO's gradient hooks
+        on its own thread, so it would see a place's last write without the first (`ready_for_gradients`
+        set by a hook, cleared in the epilogue) and judge a change where there is none. The comparison
+        of this hand-over (the state as the step began against the state now) sees every thread's."""
+        for holder, name in self.places:
             effects.redone_on_replays(holder, name)
         for holder, name, _ in self.removed:
             effects.redone_on_replays(holder, name)
