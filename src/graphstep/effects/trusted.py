@@ -399,8 +399,8 @@ TRUSTED: tuple[Trusted, ...] = (
         "tests/test_integrations_lightning.py::test_callback_trains_like_plain_lightning",
     ),
     Trusted(
-        "graphstep.integrations.deepspeed",
-        ("_Driver", "_Handover", "_put"),
+        "graphstep.integrations.deepspeed_handover",
+        ("Handover", "put"),
         "the DeepSpeed integration's hand-over: DeepSpeed's Python state as the captured backward left "
         "it, put back before `engine.step()`'s segment on every replay (and rolled back at capture, "
         "so that the capture leaves what eager leaves); the places are told to the write watch",
