@@ -140,6 +140,11 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
     eager = ds_step(twin)
     losses, wanted, scales, bad_grads = [], [], [], []
     for i, (x, y) in enumerate(data):
+        if i == case.get("regas", (None,))[0]:  # DeepSpeed's own way to change the accumulation steps
+            for e in (engine, twin):
+                e.set_train_batch_size(
+                    e.train_micro_batch_size_per_gpu() * e.dp_world_size * case["regas"][1]
+                )
         losses.append(step(x, y))
         wanted.append(eager(x, y))
         scales.append((_loss_scale(engine), _loss_scale(twin)))

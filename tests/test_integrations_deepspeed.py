@@ -31,7 +31,8 @@ ONE_RANK = [
     # a short micro-batch first in its window (a new shape: eager calls there): the next positions' graphs
     # read what an eager call made, and are captured again
     {"zero": 2, "dtype": "bf16", "accum": 3, "steps": 18, "sizes": [4] * 9 + [2] + [4] * 8},
-    {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 12, "clip": 0.0},
+    # accumulation 2, then 1 from the 10th micro-batch (`set_train_batch_size`): the loss's division changes
+    {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 14, "clip": 0.0, "regas": (10, 1)},
 ]
 
 

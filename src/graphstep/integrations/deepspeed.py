@@ -27,8 +27,9 @@ What a graph would bake, and how each stays right:
 
 - **The accumulation boundary.** DeepSpeed decides from its counter (`micro_steps`) whether this
   micro-batch ends an accumulation window, and ZeRO's backward whether it is the first of one. The
-  position in the window (`micro_steps % gradient_accumulation_steps`) is part of the graph's key: one
-  graph per position, read before every call.
+  position in the window (`micro_steps % gradient_accumulation_steps`) and the window's length (the
+  backward divides the loss by it) are part of the graph's key: one graph per position, read before
+  every call.
 - **The loss scale** (fp16's dynamic scaler): the backward multiplies the loss by the scaler's Python
   float. While the step's Python runs, that product reads a device tensor instead, filled from the
   scaler before every call: a scale the segment halved or doubled reaches the next replay.
@@ -131,7 +132,7 @@ class _EngineStep(CapturedStep):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         driver, stats = self._driver, self._stats
         key = driver.before_call()
-        position = key[0]
+        position = key[0], key[2]  # (position in the window, the window's length)
         generation = driver.window.generation_for(position)
         before = (stats.replays, stats.captures, stats.variant_switches, stats.variants)
         with driver.calling():
@@ -155,28 +156,33 @@ class _Window:
     generation, part of the key, moves on, and `p` warms up and is captured again."""
 
     def __init__(self) -> None:
-        self.generation: dict[int, int] = {}
-        self.source: dict[int, Any] = {}
+        self.generation: dict[tuple[int, int], int] = {}
+        self.source: dict[tuple[int, int], Any] = {}
         """Per position: what ran for it last: (generation, captures there) of a graph, or a fresh
         object for an eager run."""
-        self.after: dict[int, Any] = {}
+        self.after: dict[tuple[int, int], Any] = {}
         """Per position with a graph in its generation: the source of `p - 1` it was captured after."""
-        self.captures: dict[int, int] = {}
+        self.captures: dict[tuple[int, int], int] = {}
 
-    def generation_for(self, position: int) -> int:
-        if position in self.after and self.after[position] != self.source.get(position - 1):
+    def generation_for(self, position: tuple[int, int]) -> int:
+        if position in self.after and self.after[position] != self.source.get(_previous(position)):
             self.generation[position] = self.generation.get(position, 0) + 1
             del self.after[position]
         return self.generation.get(position, 0)
 
-    def ran(self, position: int, *, graph: bool, captured: bool) -> None:
+    def ran(self, position: tuple[int, int], *, graph: bool, captured: bool) -> None:
         if captured:
             self.captures[position] = self.captures.get(position, 0) + 1
-            self.after[position] = self.source.get(position - 1)
+            self.after[position] = self.source.get(_previous(position))
         if graph:
             self.source[position] = (self.generation.get(position, 0), self.captures.get(position, 0))
         else:
             self.source[position] = object()
+
+
+def _previous(position: tuple[int, int]) -> tuple[int, int] | None:
+    index, steps = position
+    return (index - 1, steps) if index else None
 
 
 class _Driver:
@@ -202,8 +208,8 @@ class _Driver:
             self.scale.fill_(float(self.scaler.loss_scale))
         if engine.training_dataloader is None:  # as the engine's forward does (its own start is off)
             engine.tput_timer.start()
-        position = engine.micro_steps % engine.gradient_accumulation_steps()
-        return position, engine._is_gradient_accumulation_boundary
+        steps = engine.gradient_accumulation_steps()  # the backward divides the loss by it: a key too
+        return engine.micro_steps % steps, engine._is_gradient_accumulation_boundary, steps
 
     @contextlib.contextmanager
     def calling(self) -> Any:
