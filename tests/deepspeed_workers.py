@@ -208,22 +208,6 @@ def train_cases(
     return reports
 
 
-def two_ranks(rank: int, size: int, cases: list[dict]) -> dict:
-    """`train_cases` on the CPU, and what `capture_engine_step` says of ZeRO-2 with accumulation there."""
-    return {"reports": train_cases(rank, size, cases), "zero2_accumulation": _zero2_accumulation_refused()}
-
-
-def _zero2_accumulation_refused() -> str:
-    from graphstep.integrations.deepspeed import UnsupportedEngineError, capture_engine_step
-
-    engine = make_engine(ds_config(2, "fp32", 2))
-    try:
-        capture_engine_step(engine, ds_step(engine))
-    except UnsupportedEngineError as err:
-        return str(err)
-    return ""
-
-
 def refusals(rank: int, size: int) -> dict:
     """What `capture_engine_step` refuses, and what a plain `graphstep.capture` of the engine's step says."""
     from graphstep.integrations.deepspeed import UnsupportedEngineError, capture_engine_step

@@ -298,19 +298,6 @@ def _check_supported(engine: Any) -> None:
             "`zero_optimization.stage` to 1 (the optimizer state partitioned, as cheap as stage 0 on one rank)"
         )
     zero = engine.optimizer
-    if (
-        stage == 2
-        and engine.gradient_accumulation_steps() > 1
-        and engine.dp_world_size > 1
-        and getattr(zero, "contiguous_gradients", False)
-    ):
-        refusals.append(
-            "ZeRO stage 2 with `gradient_accumulation_steps` > 1 on more than one data-parallel rank and "
-            "`zero_optimization.contiguous_gradients: true` (its default): a window's gradients, moved "
-            "between its contiguous buckets and partitions, did not replay as eager does (found on 2 "
-            "ranks: the window's last update differed). Set `contiguous_gradients: false` (bitwise, "
-            "tested on 2 ranks), or use stage 1"
-        )
     if getattr(engine.optimizer, "overlap_comm", False) and next(engine.module.parameters()).is_cuda:
         refusals.append(
             "`zero_optimization.overlap_comm: true`: ZeRO waits for its reduction stream on the host "
