@@ -226,6 +226,17 @@ def refusals(rank: int, size: int) -> dict:
         except UnsupportedEngineError as err:
             found[name] = str(err)
     engine = make_engine(ds_config(2, "fp32", 1))
+
+    def norm_after_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ds_step(engine)(x, y)
+        return engine.get_global_grad_norm()
+
+    try:
+        capture_engine_step(engine, norm_after_step)(*batches(rank, 1, "cpu")[0])
+        found["read_after_step"] = None
+    except graphstep.GraphStepError as err:
+        found["read_after_step"] = f"{type(err).__name__}: {err}"
+    found["norm_between_calls"] = float(engine.get_global_grad_norm())  # outside a call: DeepSpeed's own
     step = graphstep.capture(
         ds_step(engine), model=engine.module, config=graphstep.Config(backend="recording")
     )

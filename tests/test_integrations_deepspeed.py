@@ -58,6 +58,10 @@ def test_what_cannot_be_captured_is_refused_with_deepspeeds_name_for_it():
     (found,) = run_ranks(refusals, 1, timeout=120)
     assert "ZeRO stage 3" in found["zero3"] and "stage 1 or 2" in found["zero3"], found
     assert "wall_clock_breakdown" in found["wall_clock"], found
+    # What engine.step() made, read after it inside the step: refused at once (a replay would see the
+    # capture's); between calls it is DeepSpeed's own.
+    assert found["read_after_step"].startswith("ReadAfterStepError: engine.get_global_grad_norm()"), found
+    assert found["norm_between_calls"] > 0, found
     # A plain graphstep.capture of the engine's step: refused, naming the integration; nothing lost.
     assert found["plain"] is not None and "capture_engine_step" in found["plain"], found
     assert found["counters_after_refusal"]["global_steps"] == found["counters_after_refusal"]["micro_steps"]

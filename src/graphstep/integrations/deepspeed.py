@@ -66,12 +66,17 @@ from ..errors import CaptureError
 from ..guards import unchanging
 from .deepspeed_handover import Handover, places
 
-__all__ = ["UnsupportedEngineError", "capture_engine_step", "initialize"]
+__all__ = ["ReadAfterStepError", "UnsupportedEngineError", "capture_engine_step", "initialize"]
 
 
 class UnsupportedEngineError(CaptureError):
     """A DeepSpeed engine whose step graphstep cannot capture: what it is, in DeepSpeed's words, and
     what to set instead. Nothing was run."""
+
+
+class ReadAfterStepError(CaptureError):
+    """The step reads what `engine.step()` made (`engine.get_global_grad_norm()`, ...) after calling it:
+    a replay would see the capture's value."""
 
 
 def _deepspeed() -> Any:
@@ -198,6 +203,8 @@ class _Driver:
         self.scale = torch.ones((), dtype=torch.float64, device=device)
         """The loss scale the captured backward multiplies by: the scaler's float, filled before every call."""
         self.window = _Window()
+        self.stepped = False
+        """While the step's Python runs: it called `engine.step()` already."""
         self.before: tuple[dict[tuple, tuple], set[int]] = ({}, set())
         """While the step's Python runs: DeepSpeed's Python state at its start (`deepspeed_handover.places`)."""
 
@@ -217,13 +224,16 @@ class _Driver:
         device tensor, the forward's timer start left to `before_call`."""
         engine, scaler, timer = self.engine, self.scaler, self.engine.tput_timer
         engine.__dict__["step"] = self._step  # not Module.__setattr__: no module bookkeeping
+        for name in _READ_BY_STEP:
+            engine.__dict__[name] = functools.partial(self._read, name)
         timer.start = _nothing
         if scaler is not None:
             scaler.scale_loss = self._scale_loss
         try:
             yield
         finally:
-            engine.__dict__.pop("step", None)
+            for name in ("step", *_READ_BY_STEP):
+                engine.__dict__.pop(name, None)
             timer.__dict__.pop("start", None)
             if scaler is not None:
                 scaler.__dict__.pop("scale_loss", None)
@@ -231,10 +241,25 @@ class _Driver:
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """The step's Python (a warm-up or a capture)."""
         self.before = places(self._handed_over())
+        self.stepped = False
         try:
             return fn(*args, **kwargs)
         finally:
             self.before = ({}, set())
+            self.stepped = False
+
+    def _read(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """`engine.<name>()` while graphstep runs a call: what `engine.step()` made, asked for after it
+        inside the step, would be the capture's on every replay (the step runs in a segment, and what
+        the step's Python does with its result after it is captured once)."""
+        if self.stepped:
+            raise ReadAfterStepError(
+                f"engine.{name}() after engine.step() inside a captured step: engine.step() runs as an eager "
+                "segment on every replay, but what the step does after it with Python values runs at "
+                f"capture only, so every replay would see the capture's. Call engine.{name}() after the "
+                "captured call returns."
+            )
+        return getattr(type(self.engine), name)(self.engine, *args, **kwargs)
 
     def _handed_over(self) -> tuple:
         return self.engine, self.zero
@@ -258,6 +283,12 @@ class _Driver:
             segments.run(handover.step, (real, *args), {}, "DeepSpeedEngine.step", returns_none=True)
         else:
             segments.run(real, args, {}, "DeepSpeedEngine.step", returns_none=True)
+        self.stepped = True
+
+
+_READ_BY_STEP = ("get_global_grad_norm", "was_step_applied", "get_lr", "get_mom")
+"""The engine's readers of what `engine.step()` sets (its last norm, whether it stepped, the schedule's
+values): refused after `engine.step()` inside the step."""
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
