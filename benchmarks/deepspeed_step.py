@@ -4,9 +4,12 @@ graphstep.integrations.deepspeed (issue 39's bench row).
 The model is graphstep's demo GPT (4 layers, width 256, 256 tokens, vocab 4096; batch 16), trained by a
 DeepSpeed engine: ZeRO stage 2, bf16, gradient clipping 1.0, DeepSpeed's torch AdamW (`torch_adam`: the
 GPU machine's DeepSpeed is built without its fused ops), WarmupLR, `overlap_comm: false` (graphstep
-refuses it on a GPU), a one-rank NCCL group. The step is `engine(x, y)`, `engine.backward(loss)`,
-`engine.step()`; with graphstep the forward and backward are one graph and `engine.step()` an eager segment
-(its overflow check and gradient norm are read on the host). Each method runs in its own process. After
+refuses it on a GPU), the throughput timer unsynchronised, a one-rank NCCL group. The step is
+`engine(x, y)`, `engine.backward(loss)`, `engine.step()`; with graphstep the forward and backward are one
+graph and `engine.step()` an eager segment. Rows: DeepSpeed's bf16 default, whose step reads its overflow
+check and gradient norm on the host (a wait for the GPU per step, eager and graphstep alike), and
+`_nocheck`: bf16 `check_grad_overflow: false`, whose step reads nothing on the host (the host can run
+ahead of the GPU). Each method runs in its own process. After
 WARMUP calls (graphstep's capture among them), TIMED calls:
 
 - `step_ms`: wall time of the TIMED calls in a row (the GPU's queue kept full, as training runs), per call;
@@ -30,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ["eager", "graphstep"]
+METHODS = ["eager", "graphstep", "eager_nocheck", "graphstep_nocheck"]
 WARMUP, TIMED, BATCH = 10, 50, 16
 MODEL = {"vocab_size": 4096, "seq_len": 256, "n_layer": 4, "n_head": 4, "n_embd": 256}
 ZERO = {
@@ -41,12 +44,15 @@ ZERO = {
 }
 
 
-def ds_config() -> dict:
+def ds_config(check_overflow: bool = True) -> dict:
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": True, "check_grad_overflow": check_overflow},
+        # DeepSpeed's throughput timer synchronises the device at every step by default: off for every
+        # row, so that what is measured is the step, not that wait.
+        "timers": {"throughput": {"enabled": True, "synchronized": False}},
         "zero_optimization": ZERO,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100, "warmup_max_lr": 3e-4}},
@@ -70,8 +76,10 @@ def one(method: str) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(**MODEL)
     model = GPT(cfg).cuda()
-    init = gs_deepspeed.initialize if method == "graphstep" else deepspeed.initialize
-    engine, _, _, _ = init(model=model, config=ds_config(), model_parameters=model.parameters())
+    graphed = method.startswith("graphstep")
+    init = gs_deepspeed.initialize if graphed else deepspeed.initialize
+    config = ds_config(check_overflow=not method.endswith("_nocheck"))
+    engine, _, _, _ = init(model=model, config=config, model_parameters=model.parameters())
     data = make_batches(cfg, batch_size=BATCH, n_batches=4, device="cuda")
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -80,7 +88,7 @@ def one(method: str) -> dict:
         engine.step()
         return loss.detach()
 
-    step = gs_deepspeed.capture_engine_step(engine, train_step) if method == "graphstep" else train_step
+    step = gs_deepspeed.capture_engine_step(engine, train_step) if graphed else train_step
     torch.cuda.reset_peak_memory_stats()
     for i in range(WARMUP):
         step(*data[i % len(data)])
@@ -158,6 +166,7 @@ def main() -> None:
         "batch": BATCH,
         "zero_optimization": ZERO,
         "config": ds_config(),
+        "nocheck_config": ds_config(check_overflow=False),
         "warmup": WARMUP,
         "timed": TIMED,
         "wall_s": round(time.monotonic() - start, 1),
@@ -171,8 +180,9 @@ def main() -> None:
         f"# DeepSpeed ZeRO-2 bf16 engine, one step ({gpu}, torch {meta['torch']}, deepspeed "
         f"{meta['deepspeed']}, {meta['date']})",
         "",
-        f"demo GPT {MODEL}, batch {BATCH}; torch AdamW, clipping 1.0, WarmupLR, overlap_comm off, one rank; "
-        f"{TIMED} timed calls after {WARMUP}.",
+        f"demo GPT {MODEL}, batch {BATCH}; torch AdamW, clipping 1.0, WarmupLR, overlap_comm off, throughput "
+        f"timer unsynchronised, one rank; `_nocheck`: bf16 check_grad_overflow false. {TIMED} timed calls "
+        f"after {WARMUP}.",
         "",
         "| method | step ms | host ms per step | peak MiB | captures / replays |",
         "|---|---|---|---|---|",

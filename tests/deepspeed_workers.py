@@ -22,7 +22,9 @@ import graphstep
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps", "global_samples")
 
 
-def ds_config(zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: int = 4096) -> dict:
+def ds_config(
+    zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: int = 4096, contiguous: bool = True
+) -> dict:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
@@ -33,6 +35,7 @@ def ds_config(zero: int, dtype: str, accum: int, *, clip: float = 1.0, bucket: i
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": bucket,
             "overlap_comm": False,
+            "contiguous_gradients": contiguous,
         },
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}},
@@ -103,6 +106,17 @@ def batches(rank: int, steps: int, device: str, sizes: list[int] | None = None) 
     ]
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_grad(p: torch.Tensor, q: torch.Tensor) -> bool:
+    """Bit for bit (an fp16 window that overflows holds NaN, which torch.equal calls different)."""
+    if p.grad is None or q.grad is None:
+        return p.grad is None and q.grad is None
+    bits = _BITS[p.grad.element_size()]
+    return p.grad.dtype == q.grad.dtype and torch.equal(p.grad.view(bits), q.grad.view(bits))
+
+
 def _loss_scale(engine: Any) -> float | None:
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     return None if scaler is None else float(scaler.loss_scale)
@@ -112,17 +126,31 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
     """Train a captured engine and its eager twin on the same micro-batches; report what differs."""
     from graphstep.integrations.deepspeed import capture_engine_step
 
-    ds = ds_config(case["zero"], case["dtype"], case["accum"], clip=case.get("clip", 1.0))
+    ds = ds_config(
+        case["zero"],
+        case["dtype"],
+        case["accum"],
+        clip=case.get("clip", 1.0),
+        contiguous=case.get("contiguous", True),
+    )
     engine = make_engine(ds, on_capture_stream=device == "cuda")
     twin = make_engine(ds)
     data = batches(rank, case["steps"], device, case.get("sizes"))
     step = capture_engine_step(engine, ds_step(engine), config=config)
     eager = ds_step(twin)
-    losses, wanted, scales = [], [], []
-    for x, y in data:
+    losses, wanted, scales, bad_grads = [], [], [], []
+    for i, (x, y) in enumerate(data):
+        if i == case.get("regas", (None,))[0]:  # DeepSpeed's own way to change the accumulation steps
+            for e in (engine, twin):
+                e.set_train_batch_size(
+                    e.train_micro_batch_size_per_gpu() * e.dp_world_size * case["regas"][1]
+                )
         losses.append(step(x, y))
         wanted.append(eager(x, y))
         scales.append((_loss_scale(engine), _loss_scale(twin)))
+        # `param.grad` as a user sees it after the call (inside an accumulation window: the window's so far)
+        if not all(_same_grad(p, q) for p, q in zip(engine.module.parameters(), twin.module.parameters())):
+            bad_grads.append(i)
     stats = step.stats
     step.close()
     bad_loss = [i for i, (a, b) in enumerate(zip(losses, wanted)) if not torch.equal(a, b)]
@@ -135,6 +163,7 @@ def compare(case: dict, rank: int, device: str, config: graphstep.Config) -> dic
         "case": case,
         "bad_loss_steps": bad_loss,
         "bad_params": bad_params,
+        "bad_grad_steps": bad_grads,
         "scales_equal": all(a == b for a, b in scales),
         "scales": sorted({a for a, _ in scales if a is not None}),
         "lr": (engine.get_lr(), twin.get_lr()),
@@ -148,6 +177,7 @@ def check(report: dict) -> None:
     """Assert a `compare` report is equal to eager in everything it compares, and that graphs ran."""
     case = report["case"]
     assert not report["bad_loss_steps"] and not report["bad_params"], report
+    assert not report["bad_grad_steps"], report
     assert report["scales_equal"] and report["lr"][0] == report["lr"][1], report
     assert all(a == b for a, b in report["counters"].values()), report
     assert report["stats"]["replays"] > 0, report
@@ -196,6 +226,17 @@ def refusals(rank: int, size: int) -> dict:
         except UnsupportedEngineError as err:
             found[name] = str(err)
     engine = make_engine(ds_config(2, "fp32", 1))
+
+    def norm_after_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ds_step(engine)(x, y)
+        return engine.get_global_grad_norm()
+
+    try:
+        capture_engine_step(engine, norm_after_step)(*batches(rank, 1, "cpu")[0])
+        found["read_after_step"] = None
+    except graphstep.GraphStepError as err:
+        found["read_after_step"] = f"{type(err).__name__}: {err}"
+    found["norm_between_calls"] = float(engine.get_global_grad_norm())  # outside a call: DeepSpeed's own
     step = graphstep.capture(
         ds_step(engine), model=engine.module, config=graphstep.Config(backend="recording")
     )

@@ -31,7 +31,8 @@ ONE_RANK = [
     # a short micro-batch first in its window (a new shape: eager calls there): the next positions' graphs
     # read what an eager call made, and are captured again
     {"zero": 2, "dtype": "bf16", "accum": 3, "steps": 18, "sizes": [4] * 9 + [2] + [4] * 8},
-    {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 12, "clip": 0.0},
+    # accumulation 2, then 1 from the 10th micro-batch (`set_train_batch_size`): the loss's division changes
+    {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 14, "clip": 0.0, "regas": (10, 1)},
 ]
 
 
@@ -43,7 +44,9 @@ def test_zero_engine_step_trains_like_the_eager_engine():
 
 def test_zero_engine_step_on_two_ranks_trains_like_the_eager_engine():
     cases = [
-        {"zero": 2, "dtype": "bf16", "accum": 1, "steps": 6},
+        # ZeRO-2 reduce-scatters each micro-batch's gradients into the ranks' partitions, through its
+        # contiguous buckets (`grad.data = bucket view`)
+        {"zero": 2, "dtype": "bf16", "accum": 2, "steps": 8},
         {"zero": 1, "dtype": "fp16", "accum": 2, "steps": 10},
     ]
     for rank_reports in run_ranks(train_cases, 2, cases=cases, timeout=180):
@@ -55,6 +58,10 @@ def test_what_cannot_be_captured_is_refused_with_deepspeeds_name_for_it():
     (found,) = run_ranks(refusals, 1, timeout=120)
     assert "ZeRO stage 3" in found["zero3"] and "stage 1 or 2" in found["zero3"], found
     assert "wall_clock_breakdown" in found["wall_clock"], found
+    # What engine.step() made, read after it inside the step: refused at once (a replay would see the
+    # capture's); between calls it is DeepSpeed's own.
+    assert found["read_after_step"].startswith("ReadAfterStepError: engine.get_global_grad_norm()"), found
+    assert found["norm_between_calls"] > 0, found
     # A plain graphstep.capture of the engine's step: refused, naming the integration; nothing lost.
     assert found["plain"] is not None and "capture_engine_step" in found["plain"], found
     assert found["counters_after_refusal"]["global_steps"] == found["counters_after_refusal"]["micro_steps"]

@@ -181,3 +181,32 @@ def test_tolist_in_the_step_function_is_refused_with_its_line():
     with pytest.raises(HostSyncError, match=r"n = \(x > 0\)\.sum\(\)\.tolist\(\)") as info:
         captured(torch.randn(8))
     assert "return the tensor" in str(info.value) and captured.stats.replays == 0
+
+
+class Bucketed(torch.nn.Module):
+    """A weight updated from a bucket that a fresh tensor is moved into with `t.data = ...`, as
+    DeepSpeed's ZeRO moves each gradient into its contiguous bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("bucket", torch.zeros(8))
+
+    def train_step(self, x: torch.Tensor) -> torch.Tensor:  # x: (4,)
+        g = x * 2  # a fresh tensor, as autograd's gradient
+        self.bucket[:4].copy_(g)
+        g.data = self.bucket[:4]  # the tensor now lives in the bucket
+        g.mul_(3)  # so this writes the bucket: a graph records the memory an operation used
+        with torch.no_grad():
+            self.w.add_(self.bucket[:4])
+        return self.w.detach().clone()
+
+
+def test_an_operation_on_a_tensor_whose_memory_changed_replays_on_its_new_memory():
+    model, twin = Bucketed(), Bucketed()
+    step = graphstep.capture(model.train_step, model=model, config=graphstep.Config(backend="recording"))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        x = torch.randn(4, generator=g)
+        assert torch.equal(step(x), twin.train_step(x))
+    assert step.stats.replays > 0 and torch.equal(model.bucket, twin.bucket)

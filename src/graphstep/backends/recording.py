@@ -11,7 +11,9 @@ learning rate changed by hand is ignored, and a result read with `.item()` or `.
 captured.
 
 Capture raises for operations that would synchronise a CUDA stream with the host, as a real
-capture does, and undoes the writes the step made before it failed.
+capture does, and undoes the writes the step made before it failed. A tensor whose memory the step
+changes (`t.data = other`: DeepSpeed's ZeRO moves each gradient into its bucket so) is recorded on its
+memory at each operation, as a graph records addresses, not tensors.
 
 The CPU generator is this stand-in's device generator: a replay's random operations draw from it as
 eager's do. A step that saves and restores its state (`torch.get_rng_state()` /
@@ -81,8 +83,10 @@ class _Recorder(UndoLog):
         if not isinstance(x, torch.Tensor):
             return x
         known = self._aliases.get(id(x))
-        if known is None:
-            # Keep `x` itself too, so its id is not reused by another tensor while recording.
+        if known is None or not _same_memory(known[1], x):
+            # Keep `x` itself too, so its id is not reused by another tensor while recording. A tensor
+            # whose memory changed since (`x.data = other`, as DeepSpeed's ZeRO moves gradients into its
+            # buckets) gets a new alias: a graph records the memory an operation used, not the tensor.
             known = self._aliases[id(x)] = (x, x.detach())
         return known[1]
 
@@ -129,6 +133,19 @@ class _Recorder(UndoLog):
         known = self.works.get(id(work))
         if known is not None and known[0] is work:
             self.host_op(known[1].wait)
+
+
+def _same_memory(alias: torch.Tensor, x: torch.Tensor) -> bool:
+    """`x` still has the memory (and view of it) its alias was made with."""
+    try:
+        return (
+            alias.data_ptr() == x.data_ptr()
+            and alias.shape == x.shape
+            and alias.stride() == x.stride()
+            and alias.dtype == x.dtype
+        )
+    except (RuntimeError, NotImplementedError):  # no plain memory (sparse, a wrapper subclass): as made
+        return True
 
 
 def _replay_ops(ops: list) -> None:

@@ -207,6 +207,14 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     # -- DeepSpeed -------------------------------------------------------------------------------
     Trusted(
+        "deepspeed.runtime.engine",
+        ("_EngineBackwardGraphTracker",),
+        "which autograd graph task an `engine.backward` runs (its loss's hook registers it, on autograd's "
+        "thread on a GPU; `engine.backward` unregisters it in its `finally`): empty again after every "
+        "call, read only inside a backward",
+        "tests/test_integrations_deepspeed.py::test_zero_engine_step_trains_like_the_eager_engine",
+    ),
+    Trusted(
         "deepspeed.runtime.base_optimizer",
         (
             "BackwardHookStateManager",
@@ -391,8 +399,8 @@ TRUSTED: tuple[Trusted, ...] = (
         "tests/test_integrations_lightning.py::test_callback_trains_like_plain_lightning",
     ),
     Trusted(
-        "graphstep.integrations.deepspeed",
-        ("_Driver", "_Handover", "_put"),
+        "graphstep.integrations.deepspeed_handover",
+        ("Handover", "put"),
         "the DeepSpeed integration's hand-over: DeepSpeed's Python state as the captured backward left "
         "it, put back before `engine.step()`'s segment on every replay (and rolled back at capture, "
         "so that the capture leaves what eager leaves); the places are told to the write watch",

@@ -3,4 +3,7 @@
 - `graphstep.integrations.lightning`: `GraphStepCallback` for PyTorch Lightning (`pip install graphstep[lightning]`).
 - `graphstep.integrations.huggingface`: `GraphStepTrainer` for `transformers.Trainer`, and
   `accelerate_step` for a plain `accelerate` loop (`pip install graphstep[huggingface]`).
+- `graphstep.integrations.deepspeed`: `capture_engine_step` for a DeepSpeed ZeRO-1/2 engine's step, and
+  `initialize` (`deepspeed.initialize` on graphstep's capture stream) (`pip install graphstep[deepspeed]`);
+  `deepspeed_handover` is its hand-over of DeepSpeed's Python state to `engine.step()`'s segment.
 """

@@ -27,8 +27,9 @@ What a graph would bake, and how each stays right:
 
 - **The accumulation boundary.** DeepSpeed decides from its counter (`micro_steps`) whether this
   micro-batch ends an accumulation window, and ZeRO's backward whether it is the first of one. The
-  position in the window (`micro_steps % gradient_accumulation_steps`) is part of the graph's key: one
-  graph per position, read before every call.
+  position in the window (`micro_steps % gradient_accumulation_steps`) and the window's length (the
+  backward divides the loss by it) are part of the graph's key: one graph per position, read before
+  every call.
 - **The loss scale** (fp16's dynamic scaler): the backward multiplies the loss by the scaler's Python
   float. While the step's Python runs, that product reads a device tensor instead, filled from the
   scaler before every call: a scale the segment halved or doubled reaches the next replay.
@@ -56,20 +57,26 @@ from typing import Any
 
 import torch
 
-from .. import effects
 from ..backends import segments
 from ..backends.cuda import capture_stream
 from ..capture import CapturedStep
 from ..config import Config
+from ..diagnostics import expected_host_reads
 from ..errors import CaptureError
 from ..guards import unchanging
+from .deepspeed_handover import Handover, places
 
-__all__ = ["UnsupportedEngineError", "capture_engine_step", "initialize"]
+__all__ = ["ReadAfterStepError", "UnsupportedEngineError", "capture_engine_step", "initialize"]
 
 
 class UnsupportedEngineError(CaptureError):
     """A DeepSpeed engine whose step graphstep cannot capture: what it is, in DeepSpeed's words, and
     what to set instead. Nothing was run."""
+
+
+class ReadAfterStepError(CaptureError):
+    """The step reads what `engine.step()` made (`engine.get_global_grad_norm()`, ...) after calling it:
+    a replay would see the capture's value."""
 
 
 def _deepspeed() -> Any:
@@ -130,7 +137,7 @@ class _EngineStep(CapturedStep):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         driver, stats = self._driver, self._stats
         key = driver.before_call()
-        position = key[0]
+        position = key[0], key[2]  # (position in the window, the window's length)
         generation = driver.window.generation_for(position)
         before = (stats.replays, stats.captures, stats.variant_switches, stats.variants)
         with driver.calling():
@@ -154,28 +161,33 @@ class _Window:
     generation, part of the key, moves on, and `p` warms up and is captured again."""
 
     def __init__(self) -> None:
-        self.generation: dict[int, int] = {}
-        self.source: dict[int, Any] = {}
+        self.generation: dict[tuple[int, int], int] = {}
+        self.source: dict[tuple[int, int], Any] = {}
         """Per position: what ran for it last: (generation, captures there) of a graph, or a fresh
         object for an eager run."""
-        self.after: dict[int, Any] = {}
+        self.after: dict[tuple[int, int], Any] = {}
         """Per position with a graph in its generation: the source of `p - 1` it was captured after."""
-        self.captures: dict[int, int] = {}
+        self.captures: dict[tuple[int, int], int] = {}
 
-    def generation_for(self, position: int) -> int:
-        if position in self.after and self.after[position] != self.source.get(position - 1):
+    def generation_for(self, position: tuple[int, int]) -> int:
+        if position in self.after and self.after[position] != self.source.get(_previous(position)):
             self.generation[position] = self.generation.get(position, 0) + 1
             del self.after[position]
         return self.generation.get(position, 0)
 
-    def ran(self, position: int, *, graph: bool, captured: bool) -> None:
+    def ran(self, position: tuple[int, int], *, graph: bool, captured: bool) -> None:
         if captured:
             self.captures[position] = self.captures.get(position, 0) + 1
-            self.after[position] = self.source.get(position - 1)
+            self.after[position] = self.source.get(_previous(position))
         if graph:
             self.source[position] = (self.generation.get(position, 0), self.captures.get(position, 0))
         else:
             self.source[position] = object()
+
+
+def _previous(position: tuple[int, int]) -> tuple[int, int] | None:
+    index, steps = position
+    return (index - 1, steps) if index else None
 
 
 class _Driver:
@@ -188,11 +200,13 @@ class _Driver:
         self.zero = engine.optimizer
         self.scaler = getattr(self.zero, "loss_scaler", None)
         device = next(engine.module.parameters()).device
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float64, device=device)
         """The loss scale the captured backward multiplies by: the scaler's float, filled before every call."""
         self.window = _Window()
+        self.stepped = False
+        """While the step's Python runs: it called `engine.step()` already."""
         self.before: tuple[dict[tuple, tuple], set[int]] = ({}, set())
-        """While the step's Python runs: DeepSpeed's Python state at its start (`_places`)."""
+        """While the step's Python runs: DeepSpeed's Python state at its start (`deepspeed_handover.places`)."""
 
     def before_call(self) -> tuple:
         """DeepSpeed's Python decisions for this call, as the graph's key; the loss scale and the timer."""
@@ -201,8 +215,8 @@ class _Driver:
             self.scale.fill_(float(self.scaler.loss_scale))
         if engine.training_dataloader is None:  # as the engine's forward does (its own start is off)
             engine.tput_timer.start()
-        position = engine.micro_steps % engine.gradient_accumulation_steps()
-        return position, engine._is_gradient_accumulation_boundary
+        steps = engine.gradient_accumulation_steps()  # the backward divides the loss by it: a key too
+        return engine.micro_steps % steps, engine._is_gradient_accumulation_boundary, steps
 
     @contextlib.contextmanager
     def calling(self) -> Any:
@@ -210,165 +224,84 @@ class _Driver:
         device tensor, the forward's timer start left to `before_call`."""
         engine, scaler, timer = self.engine, self.scaler, self.engine.tput_timer
         engine.__dict__["step"] = self._step  # not Module.__setattr__: no module bookkeeping
+        for name in _READ_BY_STEP:
+            engine.__dict__[name] = functools.partial(self._read, name)
         timer.start = _nothing
         if scaler is not None:
             scaler.scale_loss = self._scale_loss
         try:
             yield
         finally:
-            engine.__dict__.pop("step", None)
+            for name in ("step", *_READ_BY_STEP):
+                engine.__dict__.pop(name, None)
             timer.__dict__.pop("start", None)
             if scaler is not None:
                 scaler.__dict__.pop("scale_loss", None)
 
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """The step's Python (a warm-up or a capture)."""
-        self.before = _places(self._handed_over())
+        self.before = places(self._handed_over())
+        self.stepped = False
         try:
             return fn(*args, **kwargs)
         finally:
             self.before = ({}, set())
+            self.stepped = False
+
+    def _read(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """`engine.<name>()` while graphstep runs a call: what `engine.step()` made, asked for after it
+        inside the step, would be the capture's on every replay (the step runs in a segment, and what
+        the step's Python does with its result after it is captured once)."""
+        if self.stepped:
+            raise ReadAfterStepError(
+                f"engine.{name}() after engine.step() inside a captured step: engine.step() runs as an eager "
+                "segment on every replay, but what the step does after it with Python values runs at "
+                f"capture only, so every replay would see the capture's. Call engine.{name}() after the "
+                "captured call returns."
+            )
+        return getattr(type(self.engine), name)(self.engine, *args, **kwargs)
 
     def _handed_over(self) -> tuple:
         return self.engine, self.zero
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        # Bitwise as DeepSpeed's `loss * cur_scale`: a Python float multiplies in float32 (opmath) and
-        # rounds to the loss's dtype, as this does.
-        return (loss.float() * self.scale).to(loss.dtype)
+        # Bitwise as DeepSpeed's `loss * cur_scale`: the Python float becomes the loss's math type
+        # (float32 for 16- and 32-bit losses, float64 for a double loss), the product is rounded to
+        # the loss's dtype; the scale is kept in float64 as the float it copies.
+        if loss.dtype == torch.float64:
+            return loss * self.scale
+        return (loss.float() * self.scale.float()).to(loss.dtype)
 
     def _step(self, lr_kwargs: Any = None) -> None:
         """`engine.step()` inside the step's Python: an eager segment."""
-        real = type(self.engine).step
+        real = _expected_reads(type(self.engine).step)  # its host reads are the segment's, not the step's
         args = (self.engine, lr_kwargs)
         if isinstance(segments.active(), segments.Capture):
-            handover = _Handover(self._handed_over(), self.before)
+            handover = Handover(self._handed_over(), self.before)
             handover.roll_back()  # what the captured backward wrote: each replay's segment sets it again
             handover.redone()
             segments.run(handover.step, (real, *args), {}, "DeepSpeedEngine.step", returns_none=True)
         else:
             segments.run(real, args, {}, "DeepSpeedEngine.step", returns_none=True)
+        self.stepped = True
+
+
+_READ_BY_STEP = ("get_global_grad_norm", "was_step_applied", "get_lr", "get_mom")
+"""The engine's readers of what `engine.step()` sets (its last norm, whether it stepped, the schedule's
+values): refused after `engine.step()` inside the step."""
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-# -- what the captured backward hands the step in Python ---------------------------------------------
+def _expected_reads(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def segment(*args: Any, **kwargs: Any) -> Any:
+        with expected_host_reads():
+            return fn(*args, **kwargs)
 
-_DEPTH = 4
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _places(roots: tuple) -> tuple[dict[tuple, tuple], set[int]]:
-    """The Python state DeepSpeed keeps under `roots` (the engine, its ZeRO optimizer): every attribute
-    of theirs and of DeepSpeed's objects they hold, and the contents of every list and dict among
-    them, `_DEPTH` levels down. Returns {place: (holder, name or None, value or contents)} and the
-    ids of the objects walked."""
-    places: dict[tuple, tuple] = {}
-    seen: set[int] = set()
-    stack = [(root, 0) for root in roots]
-    while stack:
-        obj, depth = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if type(obj) is list:
-            children = list(obj)
-            places["items", id(obj)] = (obj, None, children)
-        elif type(obj) is dict:
-            contents = dict(obj)
-            places["items", id(obj)] = (obj, None, contents)
-            children = list(contents.values())
-        else:
-            attributes = vars(obj)
-            for name, value in attributes.items():
-                places["attr", id(obj), name] = (obj, name, value)
-            children = list(attributes.values())
-        if depth < _DEPTH:
-            stack += [(c, depth + 1) for c in children if _walked(c)]
-    return places, seen
-
-
-def _walked(value: Any) -> bool:
-    t = type(value)
-    if t is list or t is dict or t is torch.nn.Parameter:  # a parameter: ZeRO's `grad_accum` on it
-        return True
-    return t.__module__.startswith("deepspeed.") and not isinstance(value, (torch.nn.Module, torch.Tensor))
-
-
-def _same(a: Any, b: Any) -> bool:
-    if type(a) in (list, dict) and type(b) is type(a):
-        if len(a) != len(b):
-            return False
-        if type(a) is dict:
-            return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-        return all(_same(x, y) for x, y in zip(a, b))
-    return a is b or (type(a) is type(b) and type(a) in _PLAIN and a == b)
-
-
-def _put(holder: Any, name: str | None, value: Any) -> None:
-    if name is not None:
-        holder.__dict__[name] = value
-    elif type(holder) is list:
-        holder[:] = value
-    else:
-        holder.clear()
-        holder.update(value)
-
-
-class _Handover:
-    """The Python state the captured part of a step left for `engine.step()`: every place under the
-    engine and its ZeRO optimizer it changed since the step began, and the contents of the containers
-    it made. A replay runs no Python before the step's segment: the segment puts these back first."""
-
-    def __init__(self, roots: tuple, before: tuple[dict[tuple, tuple], set[int]]) -> None:
-        was, existed = before
-        now, _ = _places(roots)
-        changed = [key for key, entry in now.items() if key in was and not _same(was[key][2], entry[2])]
-        # New places: an attribute added, the contents of a container the captured part made.
-        made = [
-            key
-            for key, (holder, _, _) in now.items()
-            if key not in was and (key[0] == "attr" or id(holder) not in existed)
-        ]
-        self.now = [
-            (holder, name, _copied(value)) for holder, name, value in (now[k] for k in changed + made)
-        ]
-        """(holder, attribute or None, value or contents) as the captured part left them."""
-        self.was = [was[key] for key in changed]
-        """The same places as the step began (those that existed then)."""
-        self.added = [now[key][:2] for key in made if key[0] == "attr"]
-        self.removed = [was[key] for key in was if key not in now and key[0] == "attr"]
-        """Attributes the captured part added or deleted."""
-
-    def roll_back(self) -> None:
-        """Put the places the captured part changed back as they were when the step began."""
-        for holder, name, value in self.was:
-            _put(holder, name, _copied(value))
-        for holder, name in self.added:
-            holder.__dict__.pop(name, None)
-        for holder, name, value in self.removed:
-            holder.__dict__[name] = value
-
-    def redone(self) -> None:
-        """Tell the capture's write watch that every replay sets these places again."""
-        for holder, name, _ in self.now:
-            effects.redone_on_replays(holder, name)
-        for holder, name, _ in self.removed:
-            effects.redone_on_replays(holder, name)
-
-    def step(self, real: Callable, *args: Any) -> None:
-        """`engine.step()` after putting back what the captured part left (a replay's segment)."""
-        for holder, name, value in self.now:
-            _put(holder, name, _copied(value))
-        for holder, name, _ in self.removed:
-            holder.__dict__.pop(name, None)
-        real(*args)
-
-
-def _copied(value: Any) -> Any:
-    return list(value) if type(value) is list else dict(value) if type(value) is dict else value
+    return segment
 
 
 # -- what is refused -----------------------------------------------------------------------------------
@@ -395,13 +328,7 @@ def _check_supported(engine: Any) -> None:
             "ZeRO stage 0 (`zero_optimization.stage: 0`): only stages 1 and 2 are supported; set "
             "`zero_optimization.stage` to 1 (the optimizer state partitioned, as cheap as stage 0 on one rank)"
         )
-    if stage == 2 and engine.gradient_accumulation_steps() > 1 and engine.dp_world_size > 1:
-        refusals.append(
-            "ZeRO stage 2 with `gradient_accumulation_steps` > 1 on more than one data-parallel rank: "
-            "its reduce-scatter into each rank's partition across the micro-batches of a window did not "
-            "replay as eager does (found on 2 ranks: the window's last update differed). Use stage 1 "
-            "(bitwise with accumulation on any number of ranks), or `gradient_accumulation_steps: 1`"
-        )
+    zero = engine.optimizer
     if getattr(engine.optimizer, "overlap_comm", False) and next(engine.module.parameters()).is_cuda:
         refusals.append(
             "`zero_optimization.overlap_comm: true`: ZeRO waits for its reduction stream on the host "
@@ -431,7 +358,6 @@ def _check_supported(engine: Any) -> None:
         )
     if getattr(engine, "random_ltd_enabled", lambda: False)():
         refusals.append("random layer token drop (`data_efficiency.data_routing.random_ltd`): turn it off")
-    zero = engine.optimizer
     if getattr(zero, "custom_loss_scaler", False):
         refusals.append(
             "a loss scale set by `override_loss_scale`: its Python float would be baked into the graph"
