@@ -298,19 +298,3 @@ def test_a_graph_breaks_failed_capture_is_let_go_before_the_warm_up_that_follows
         step(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g))
     assert step.stats.graph_breaks == 1 and alive == [0], (step.stats, alive)
     step.close()
-
-
-def test_a_cuda_boundary_buffer_is_held_unowned():
-    """On CUDA a segment holds its result buffers and gradient slots without owning them (graph memory,
-    the pool's again once the capture lets them go; `_unowned`): the same memory, no reference to it."""
-    from graphstep.backends import autograd_segments
-
-    t = torch.arange(4.0)
-    references = lambda: torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # noqa: E731
-    before = references()
-    unowned = autograd_segments._unowned(t)
-    assert references() == before and unowned.data_ptr() == t.data_ptr()
-    t.add_(1)
-    assert torch.equal(unowned, t)
-    owned = autograd_segments._alias(t)  # the recording backend's: an owner, as its memory is the recorder's
-    assert references() == before + 1 and owned.data_ptr() == t.data_ptr()
