@@ -12,7 +12,6 @@ the optimizer state made in the first warm-up.
 
 from __future__ import annotations
 
-import collections
 import copy
 import sys
 from pathlib import Path
@@ -78,8 +77,7 @@ def measured(calls):
     return results, torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved
 
 
-def run_both(late_break: bool = False, trace: list | None = None):
-    """Eager, then graphstep, each measured; `trace`: filled with the allocator's history of graphstep's."""
+def run_both(late_break: bool = False):
     model = build(late_break)
     twin = copy.deepcopy(model)
     opts = []
@@ -104,15 +102,7 @@ def run_both(late_break: bool = False, trace: list | None = None):
 
     with deterministic():
         want, eager_alloc, eager_res = measured(lambda: calls(eager))
-        if trace is not None:  # the allocator's history of graphstep's calls, Python stacks
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
-        try:
-            got, graph_alloc, graph_res = measured(lambda: calls(step))
-            if trace is not None:
-                trace += torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-        finally:
-            if trace is not None:
-                torch.cuda.memory._record_memory_history(enabled=None)
+        got, graph_alloc, graph_res = measured(lambda: calls(step))
     for i, (w, o) in enumerate(zip(want, got)):
         assert torch.equal(w, o), f"call {i}: loss {o.item()} != eager {w.item()}"
     for (name, p), q in zip(twin.named_parameters(), model.parameters()):
@@ -131,60 +121,26 @@ def run_both(late_break: bool = False, trace: list | None = None):
 def test_a_step_with_a_graph_break_peaks_within_1_1x_of_eagers_allocated_memory(late_break):
     """`experts_and_head`: the capture that finds the second break fails after the whole forward; its
     activations must be gone before that call warms up again (they were not: 1.69x on the MoE row)."""
-    trace: list = []
-    step, (graph, eager), _ = run_both(late_break, trace)
+    step, (graph, eager), _ = run_both(late_break)
     step.close()
-    assert graph <= 1.1 * eager, (
-        f"graphstep peaked at {graph / eager:.2f}x eager's allocated memory; live at its peak:\n{live_at_peak(trace)}"
-    )
-
-
-def live_at_peak(trace: list) -> str:
-    """What was allocated at the peak of `trace` (benchmarks/memory_trace.py), by kind and stack."""
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    import memory_trace
-
-    at = memory_trace.replay(trace, 0, len(trace))
-    groups: collections.Counter = collections.Counter()
-    for size, i in at["at_peak"].values():
-        frames = trace[i].get("frames", [])
-        groups[f"{memory_trace.frame_category(frames)}: {memory_trace.stack_top(frames, 3)}"] += size
-    return "\n".join(f"  {n / 2**20:.1f} MiB {k}" for k, n in groups.most_common(15))
+    assert graph <= 1.1 * eager, f"graphstep peaked at {graph / eager:.2f}x eager's allocated memory"
 
 
 @pytest.mark.parametrize("late_break", [False, True], ids=["experts", "experts_and_head"])
 def test_no_pool_is_left_behind_by_the_captures_that_found_the_breaks(late_break):
     """The warm-ups' optimizer state lived in the pool of the capture that stopped at the break; it moves
     out, and that pool goes back whole; a second failed capture (`experts_and_head`) leaves nothing of its
-    own either: only the step's current pool and the default pool hold memory. On failure the message
-    names where each block left behind was allocated (the allocator's history, Python stacks)."""
+    own either: only the step's current pool and the default pool hold memory."""
     pools = lambda: {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory_snapshot()}  # noqa: E731
     earlier = pools()  # other tests' steps
-    torch.cuda.memory._record_memory_history(
-        enabled="all", context="alloc", stacks="python", max_entries=200_000
-    )
-    try:
-        step, _, _ = run_both(late_break)
-        current = tuple(step._ctx.backend.pool)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        left = [
-            s
-            for s in torch.cuda.memory._snapshot()["segments"]
-            if tuple(s.get("segment_pool_id", (0, 0))) not in {(0, 0), current, *earlier}
-        ]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    step.close()
-    where = [
-        f"{b['size']} bytes: "
-        + " < ".join(
-            f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in b.get("frames", [])[:12]
-        )
-        for s in left
-        for b in s["blocks"]
-        if b["state"] == "active_allocated"
+    step, _, _ = run_both(late_break)
+    current = tuple(step._ctx.backend.pool)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    others = [
+        (s["total_size"], s["allocated_size"])
+        for s in torch.cuda.memory_snapshot()
+        if tuple(s.get("segment_pool_id", (0, 0))) not in {(0, 0), current, *earlier}
     ]
-    assert not left, "segments (size, allocated) left in other pools: " + "\n".join(
-        [str([(s["total_size"], s["allocated_size"]) for s in left]), *where]
-    )
+    step.close()
+    assert not others, f"segments (size, allocated) left in other pools: {others}"

@@ -233,10 +233,10 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fwd, outputs = plan.begin_forward(tensors)
+        fwd = plan.begin_forward(tensors)
         ctx.plan = plan
-        ctx.mark_non_differentiable(*[o for o, r in zip(outputs, fwd.output_requires) if not r])
-        return tuple(outputs)
+        ctx.mark_non_differentiable(*[o for o, r in zip(fwd.outputs, fwd.output_requires) if not r])
+        return tuple(fwd.outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple:
@@ -260,14 +260,11 @@ class _Plan:
     order: grad_order.Order | None = None
     """Its targets' users made after it (`grad_order`), once the boundary node exists."""
 
-    def begin_forward(self, tensors: tuple) -> tuple[ForwardSegment, list[torch.Tensor]]:
-        """The forward segment, and the results autograd gets (the buffers the replays fill)."""
+    def begin_forward(self, tensors: tuple) -> ForwardSegment:
         splitter = self.session.splitter
         splitter.end_part()
         reach = self.seen.reach
         arguments, inputs, requires = grad_order.Arguments.of(tensors[: self.n_inputs], reach.inputs)
-        if not splitter.executes:  # CUDA: the buffers are the next part's first allocations (`_unowned`)
-            splitter.begin_part()
         outputs = [
             torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in self.seen.metas
         ]
@@ -277,7 +274,7 @@ class _Plan:
             self.input_spec,
             inputs,
             requires,
-            outputs if splitter.executes else [_unowned(t) for t in outputs],
+            outputs,
             self.seen.spec,
             reach.outputs,
             _amp_state(),
@@ -287,8 +284,8 @@ class _Plan:
         self.session.segments.append(fwd)
         if splitter.executes:  # the recording backend runs the step while it captures: the segment too
             fwd.run()
-            splitter.begin_part()
-        return fwd, outputs
+        splitter.begin_part()
+        return fwd
 
     def begin_backward(self, grad_outputs: tuple) -> list[torch.Tensor | None]:
         if torch.is_grad_enabled():
@@ -305,8 +302,6 @@ class _Plan:
         inputs = [t for t, r in zip(fwd.inputs, fwd.requires) if r]
         given = {id(t) for t in self.tensors[: self.n_inputs]}
         params = reach.params + [p for p in reach.idle if id(p) not in given]
-        if not splitter.executes:  # CUDA: the slots are the next part's first allocations (`_unowned`)
-            splitter.begin_part()
         slots: list[torch.Tensor | None] = [torch.empty_like(t) for t in inputs]
         zero_ok = [False] * len(inputs)
         for p in reach.params:
@@ -319,7 +314,7 @@ class _Plan:
             fwd,
             [None if g is None else g.detach() for g in grad_outputs],
             params,
-            [None if s is None else (_alias if splitter.executes else _unowned)(s) for s in slots],
+            [None if s is None else _alias(s) for s in slots],
             zero_ok,
             _amp_state(),
             self.name,
@@ -329,7 +324,7 @@ class _Plan:
         self.session.segments.append(bwd)
         if splitter.executes:
             bwd.run()
-            splitter.begin_part()
+        splitter.begin_part()
         by_input = iter(slots[: len(inputs)])
         grads = [next(by_input) if r else None for r in fwd.requires]
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
@@ -365,24 +360,6 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     pool, which held every segment parameter's gradient twice at the step's peak (issue 42)."""
     alias = torch.empty(0, dtype=t.dtype, device=t.device)
     return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-
-def _unowned(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over `t`'s memory that does not keep it allocated: CUDA's boundary buffers.
-
-    Made as the first allocations of the next part's capture, a segment's result buffers and gradient
-    slots are in the step's pool, and once the capture is done with `t` (a `.grad` set to None, a
-    gradient summed, a result's last use) its memory is the graphs' scratch again, as eager frees them.
-    The segment writes them at replay at the point of the capture where they were made, after every
-    kernel of the parts before and before any part after that reuses them. Owned for good (by the
-    segment) they were kept between calls, where eager frees them: every segment parameter's gradient,
-    each result and input gradient (issue 42: 56 MiB on the MoE row, 112 with grouped_mm). Like any graph
-    memory, another signature's replay may use it in between; the segment rewrites it before use."""
-    storage = t.untyped_storage()
-    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        unowned, t.storage_offset(), t.size(), t.stride()
-    )
 
 
 def _split(
