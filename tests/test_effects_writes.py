@@ -451,3 +451,45 @@ def test_the_first_watch_of_a_process_sees_the_steps_writes(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
     assert done.stdout.strip() == "refused", done.stdout + done.stderr
+
+
+class _Entry:
+    """What a registry makes the first time it is asked (torch's operator registry does: an entry whose
+    `__init__` sets its attributes), held where the write watch does not look (set with `setattr`)."""
+
+    def __init__(self) -> None:
+        self.rules = {}
+
+
+def test_allowed_writes_keep_what_a_failed_capture_made_and_something_still_holds():
+    """With writes allowed, a capture that a graph break stops is taken back: the writes to objects that
+    existed before it, and only those. An object the capture made and something still holds keeps its
+    attributes (without a census every write looked old: a torch operator entry made during such a
+    capture lost `torch_dispatch_rules`, and the next capture failed)."""
+    import sys
+
+    from break_models import MoENet
+
+    torch.manual_seed(0)
+    model = MoENet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    registry = type("Registry", (), {})()
+
+    def step(x, y):
+        if sys.gettrace() is not None and not hasattr(registry, "entry"):  # first made while capturing
+            setattr(registry, "entry", _Entry())  # noqa: B010 (a write the watch does not see, as a registry in C)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    config = graphstep.Config(
+        backend="recording", warmup_steps=2, optimizer_mode="graph", allow_python_writes=True
+    )
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=config)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        captured(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g))
+    assert captured.stats.graph_breaks == 1 and captured.stats.captures == 1, captured.stats
+    assert registry.entry.rules == {}

@@ -240,15 +240,13 @@ class Census:
     object from taking an old one's address while the step runs. The C++ helper takes it in one pass
     (fastcheck.py); from Python, a list now and a set of its ids at the first question."""
 
-    def __init__(self, *, take: bool = True) -> None:
-        """`take=False`: no census (every object counts as existing; for a watch that refuses nothing)."""
-        self.taken = take
+    def __init__(self) -> None:
+        self.taken = True
+        """False once dropped: every object then counts as existing."""
         self._native: Any = None
         self._objects: list | None = None
         self._ids: set[int] | None = None
         self._held: dict[int, tuple[Any, bool]] = {}
-        if not take:
-            return
         native = getattr(fastcheck.helper(), "Census", None)
         if native is not None:
             self._native = native(gc.get_objects(), tuple(_TENSOR_TYPES))
