@@ -168,11 +168,8 @@ class WriteWatch:
         if profile is None or callable(profile):  # a Python profiler would see every call the census makes
             sys.setprofile(None)
         try:
-            # The census (a pass over every object, ~80 ms with a large model's process) decides what to
-            # refuse, and what a failed capture takes back: taken with writes allowed too, or the roll
-            # back would strip the attributes of objects the capture made and something else still holds
-            # (torch's operator registry made an entry during a capture a graph break stopped: the
-            # entry, kept, lost `torch_dispatch_rules`, and the next capture failed).
+            # The census decides what to refuse and what a failed capture takes back: allowed writes too,
+            # or objects it made and something still holds lose their attributes (a torch op entry).
             self._census = values.Census()
         finally:
             if profile is None or callable(profile):
