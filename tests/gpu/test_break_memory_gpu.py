@@ -65,16 +65,18 @@ def step_of(model, opt):
 
 
 def measured(calls):
-    """Run `calls()` from an empty cache and no cuBLAS workspaces: its results, and the most memory
-    allocated and reserved above what was there before it."""
+    """Run `calls(peaks)` from an empty cache and no cuBLAS workspaces: its results, the most memory
+    allocated and reserved above what was there before it, and each call's own peak above that (MiB)."""
     torch.cuda.synchronize()
     getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    results = calls()
+    peaks: list[tuple[int, int]] = []  # (allocated, reserved), each call's
+    results = calls(peaks)
     torch.cuda.synchronize()
-    return results, torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved
+    per_call = [round((a - allocated) / 2**20, 1) for a, _ in peaks]
+    return results, max(a for a, _ in peaks) - allocated, max(r for _, r in peaks) - reserved, per_call
 
 
 def run_both(late_break: bool = False):
@@ -93,16 +95,18 @@ def run_both(late_break: bool = False):
     eager = step_of(twin, opts[1])
     step = graphstep.capture(step_of(model, opts[0]), model=model, optimizer=opts[0])
 
-    def calls(fn):
+    def calls(fn, peaks):
         out = []
         for i, batch in enumerate(data):
             torch.manual_seed(i)
+            torch.cuda.reset_peak_memory_stats()
             out.append(fn(*batch))
+            peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
         return out
 
     with deterministic():
-        want, eager_alloc, eager_res = measured(lambda: calls(eager))
-        got, graph_alloc, graph_res = measured(lambda: calls(step))
+        want, eager_alloc, eager_res, eager_calls = measured(lambda peaks: calls(eager, peaks))
+        got, graph_alloc, graph_res, graph_calls = measured(lambda peaks: calls(step, peaks))
     for i, (w, o) in enumerate(zip(want, got)):
         assert torch.equal(w, o), f"call {i}: loss {o.item()} != eager {w.item()}"
     for (name, p), q in zip(twin.named_parameters(), model.parameters()):
@@ -112,7 +116,8 @@ def run_both(late_break: bool = False):
     print(
         f"\npeak allocated: graphstep {graph_alloc / mib:.1f} MiB, eager {eager_alloc / mib:.1f} MiB "
         f"({graph_alloc / eager_alloc:.2f}x); peak reserved: {graph_res / mib:.1f} vs {eager_res / mib:.1f} MiB "
-        f"({graph_res / eager_res:.2f}x)"
+        f"({graph_res / eager_res:.2f}x)\neach call's peak (MiB), eager: "
+        f"{eager_calls}, graphstep: {graph_calls}"
     )
     return step, (graph_alloc, eager_alloc), (graph_res, eager_res)
 

@@ -1,6 +1,9 @@
 """Captures while the GPU is nearly full: a transformers GPT-2 step captured with a few MiB left is
 bitwise equal to eager, and a capture that really runs out of memory runs that call as an eager step
-and captures on the next (issue 40, item 7)."""
+and captures on the next (issue 40, item 7).
+
+Run this file alone on its GPU (not beside other tests, nor with several xdist workers on one GPU): its tests
+fill the GPU, and whatever else runs there runs out of memory."""
 
 from __future__ import annotations
 
