@@ -66,6 +66,7 @@ def load_te() -> str:
 
 
 CALLS, WARMUP, TIMED = 10, 10, 50
+DEVICE = "cuda"  # TE needs CUDA; the probe's own logic was tried on the CPU with stand-ins for TE
 SEQ, BATCH = 128, 4
 
 
@@ -73,14 +74,16 @@ SEQ, BATCH = 128, 4
 class Case:
     kind: str  # "linear", "layernorm_mlp", "transformer"
     fp8: bool
-    recompute: bool = False
+    recompute: str = (
+        ""  # "": none; "plain": te.distributed.checkpoint; "tracker": with a graph-safe RNG tracker
+    )
     first_microbatch: bool = False  # te.Linear's FP8 weight cache (is_first_microbatch=True on each call)
     hidden: int = 256
     layers: int = 2
 
     @property
     def name(self) -> str:
-        extra = "_recompute" if self.recompute else ""
+        extra = {"": "", "plain": "_recompute", "tracker": "_recompute_rngtracker"}[self.recompute]
         extra += "_weightcache" if self.first_microbatch else ""
         return f"{self.kind}_{'fp8' if self.fp8 else 'bf16'}{extra}"
 
@@ -90,7 +93,8 @@ def cases(fp8_ok: bool) -> list[Case]:
     for fp8 in [False, True] if fp8_ok else [False]:
         for kind in ("linear", "layernorm_mlp", "transformer"):
             out.append(Case(kind, fp8))
-            out.append(Case(kind, fp8, recompute=True))
+            out.append(Case(kind, fp8, recompute="plain"))
+            out.append(Case(kind, fp8, recompute="tracker"))
         out.append(Case("linear", fp8, first_microbatch=True))
     return out
 
@@ -119,11 +123,29 @@ class Stack(torch.nn.Module):
             raise ValueError(f"unknown TE module kind {case.kind!r}")
         self.blocks = torch.nn.ModuleList(blocks)
         self.recompute, self.first_microbatch = case.recompute, case.first_microbatch
+        self.tracker = None
+        if case.recompute == "tracker":
+            # TE's recipe for recompute under CUDA graphs: an RNG tracker whose states are graph-safe
+            # generators (torch >= 2.4); checkpoint then saves and restores the CUDA RNG state with
+            # graphsafe_get_state / graphsafe_set_state instead of get_state (not allowed while capturing).
+            self.tracker = te.distributed.CudaRNGStatesTracker()
+            self.tracker.add("model-parallel-rng", 1234)
+
+    def _tracker(self):
+        return self.tracker
+
+    def generators(self) -> list[torch.Generator]:
+        """The tracker's CUDA generators: graphstep registers them with its graphs."""
+        if self.tracker is None:
+            return []
+        return [g for g in self.tracker.get_states().values() if isinstance(g, torch.Generator)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kwargs = {"is_first_microbatch": True} if self.first_microbatch else {}
         for block in self.blocks:
-            if self.recompute:
+            if self.recompute == "tracker":
+                x = te.distributed.checkpoint(block, x, get_rng_state_tracker=self._tracker, **kwargs)
+            elif self.recompute:
                 x = te.distributed.checkpoint(block, x, **kwargs)
             else:
                 x = block(x, **kwargs)
@@ -146,9 +168,9 @@ def fresh_fp8_state() -> None:
 
 def build(case: Case, seed: int = 0) -> tuple[Stack, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = Stack(case).cuda()
+    model = Stack(case).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    graphstep.optim.make_capturable(opt, "cuda")  # what graphstep does to the captured one: eager does it too
+    graphstep.optim.make_capturable(opt, DEVICE)  # what graphstep does to the captured one: eager does it too
     return model, opt
 
 
@@ -157,7 +179,7 @@ def make_step(model: torch.nn.Module, forward: Callable, opt: torch.optim.Optimi
     fp8_recipe = recipe()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             with te.autocast(enabled=case.fp8, recipe=fp8_recipe):
                 out = forward(x)
             loss = (out.float() - y).pow(2).mean()
@@ -170,10 +192,10 @@ def make_step(model: torch.nn.Module, forward: Callable, opt: torch.optim.Optimi
 
 
 def batches(case: Case, n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     shape = (SEQ, BATCH, case.hidden)  # TE's default layout: sequence first
     return [
-        (torch.randn(shape, device="cuda", generator=g), torch.randn(shape, device="cuda", generator=g))
+        (torch.randn(shape, device=DEVICE, generator=g), torch.randn(shape, device=DEVICE, generator=g))
         for _ in range(n)
     ]
 
@@ -240,7 +262,13 @@ def run_eager(case: Case, data: list) -> list[dict]:
 def run_graphstep(case: Case, data: list, config: graphstep.Config | None = None) -> tuple[list[dict], dict]:
     fresh_fp8_state()
     model, opt = build(case)
-    step = graphstep.capture(make_step(model, model, opt, case), model=model, optimizer=opt, config=config)
+    step = graphstep.capture(
+        make_step(model, model, opt, case),
+        model=model,
+        optimizer=opt,
+        generators=model.generators() or None,
+        config=config,
+    )
     snaps = [snapshot(model, step(x, y)) for x, y in data]
     return snaps, stats_of(step)
 
@@ -271,8 +299,12 @@ def probe(case: Case, calls: int = CALLS) -> dict:
     except Exception:
         row["detail"] = traceback.format_exc()
     finally:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:  # a failed capture can leave the device in an error state: say so rather than stop the probe
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        except Exception:
+            row["detail"] += "\nafter the case:\n" + traceback.format_exc()
     return row
 
 
@@ -313,7 +345,12 @@ def bench_one(case: Case, method: str) -> dict:
             opt.zero_grad(set_to_none=True)  # its warm-up's backward passes left gradients
             step = make_step(model, graphed, opt, case)
         else:
-            step = graphstep.capture(make_step(model, model, opt, case), model=model, optimizer=opt)
+            step = graphstep.capture(
+                make_step(model, model, opt, case),
+                model=model,
+                optimizer=opt,
+                generators=model.generators() or None,
+            )
         row["ms"], row["peak_mib"] = timed(step, data)
         if method == "graphstep":
             row["detail"] = json.dumps({k: v for k, v in stats_of(step).items() if isinstance(v, int)})
@@ -357,11 +394,13 @@ def main() -> None:
             row = probe(case, args.calls)
             report["probe"].append(row)
             print(f"[probe] {row['case']}: {row['result']} {row['stats']}\n  {row['detail']}", flush=True)
+            write(report, args.out)  # after every row: a crash later keeps what was found
     if args.bench:
         for case in [c for c in chosen if not c.first_microbatch]:
             for method in ("eager", "te_graphed", "graphstep"):
                 row = bench_one(dataclasses.replace(case, hidden=1024, layers=4), method)
                 report["bench"].append(row)
+                write(report, args.out)
                 print(
                     f"[bench] {row['case']} {method}: {row['ms']} ms, {row['peak_mib']} MiB {row['detail']}",
                     flush=True,
@@ -381,9 +420,9 @@ def write(report: dict, out: Path) -> None:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
     lines = [f"# TE under graphstep: {env}", "", "| case | result | detail |", "|---|---|---|"]
     for r in report["probe"]:
-        lines.append(
-            f"| {r['case']} | {r['result']} | {r['detail'].splitlines()[-1] if r['detail'] else ''} |"
-        )
+        said = r["detail"].strip().splitlines() or [""]
+        said = said[-1] if r["result"] == "ERROR" else said[0]  # a traceback's last line, else the first
+        lines.append(f"| {r['case']} | {r['result']} | {said.replace('|', '/')} |")
     lines += ["", "| case | method | ms/step | peak MiB |", "|---|---|---|---|"]
     for r in report["bench"]:
         ms = f"{r['ms']:.2f}" if r["ms"] is not None else "error"
