@@ -66,6 +66,7 @@ def load_te() -> str:
 
 
 CALLS, WARMUP, TIMED = 10, 10, 50
+JOINS = 5  # the second model's first call (after graphstep's capture, at call 4)
 DEVICE = "cuda"  # TE needs CUDA; the probe's own logic was tried on the CPU with stand-ins for TE
 SEQ, BATCH = 128, 4
 
@@ -78,6 +79,10 @@ class Case:
         ""  # "": none; "plain": te.distributed.checkpoint; "tracker": with a graph-safe RNG tracker
     )
     first_microbatch: bool = False  # te.Linear's FP8 weight cache (is_first_microbatch=True on each call)
+    # A second model with the same recipe, trained eagerly from call JOINS on: TE's amax reduction at the
+    # captured step's te.autocast exit updates every module registered under the recipe's key, the
+    # second model's too (a hazard: the captured graph's reduction covers the modules of its capture).
+    second_model: bool = False
     hidden: int = 256
     layers: int = 2
 
@@ -85,6 +90,7 @@ class Case:
     def name(self) -> str:
         extra = {"": "", "plain": "_recompute", "tracker": "_recompute_rngtracker"}[self.recompute]
         extra += "_weightcache" if self.first_microbatch else ""
+        extra += "_secondmodel" if self.second_model else ""
         return f"{self.kind}_{'fp8' if self.fp8 else 'bf16'}{extra}"
 
 
@@ -96,6 +102,8 @@ def cases(fp8_ok: bool) -> list[Case]:
             out.append(Case(kind, fp8, recompute="plain"))
             out.append(Case(kind, fp8, recompute="tracker"))
         out.append(Case("linear", fp8, first_microbatch=True))
+    if fp8_ok:
+        out.append(Case("linear", True, second_model=True))
     return out
 
 
@@ -255,8 +263,22 @@ def first_difference(eager: list[dict], graphed: list[dict]) -> str | None:
 def run_eager(case: Case, data: list) -> list[dict]:
     fresh_fp8_state()
     model, opt = build(case)
-    step = make_step(model, model, opt, case)
-    return [snapshot(model, step(x, y)) for x, y in data]
+    return train(case, model, make_step(model, model, opt, case), data)
+
+
+def train(case: Case, model: torch.nn.Module, step: Callable, data: list) -> list[dict]:
+    """Calls `step` on each batch; with `second_model`, an eager second model from call JOINS on."""
+    other = other_step = None
+    snaps = []
+    for i, (x, y) in enumerate(data):
+        snap = snapshot(model, step(x, y))
+        if case.second_model and i >= JOINS:
+            if other is None:
+                other, other_opt = build(case, seed=1)
+                other_step = make_step(other, other, other_opt, case)
+            snap.update({f"second model {k}": v for k, v in snapshot(other, other_step(x, y)).items()})
+        snaps.append(snap)
+    return snaps
 
 
 def run_graphstep(case: Case, data: list, config: graphstep.Config | None = None) -> tuple[list[dict], dict]:
@@ -269,8 +291,7 @@ def run_graphstep(case: Case, data: list, config: graphstep.Config | None = None
         generators=model.generators() or None,
         config=config,
     )
-    snaps = [snapshot(model, step(x, y)) for x, y in data]
-    return snaps, stats_of(step)
+    return train(case, model, step, data), stats_of(step)
 
 
 def stats_of(step) -> dict:
@@ -396,7 +417,7 @@ def main() -> None:
             print(f"[probe] {row['case']}: {row['result']} {row['stats']}\n  {row['detail']}", flush=True)
             write(report, args.out)  # after every row: a crash later keeps what was found
     if args.bench:
-        for case in [c for c in chosen if not c.first_microbatch]:
+        for case in [c for c in chosen if not (c.first_microbatch or c.second_model)]:
             for method in ("eager", "te_graphed", "graphstep"):
                 row = bench_one(dataclasses.replace(case, hidden=1024, layers=4), method)
                 report["bench"].append(row)

@@ -6,7 +6,12 @@ change on every step), with TE's activation recompute (`te.distributed.checkpoin
 TE's FP8 weight cache (`is_first_microbatch=True`). Per case the probe trains the model eagerly, then a
 fresh identical model under `graphstep.capture`, deterministic mode, on the same batches, and compares after
 every call: the loss, every parameter, and every FP8 meta tensor TE keeps (`fp8_meta`'s scale and
-amax_history, the quantizers' views, the cached FP8 weights), with `torch.equal`.
+amax_history, the quantizers' views, the cached FP8 weights), with `torch.equal`. `linear_fp8_secondmodel`: a
+second TE model with the same recipe trains eagerly beside the captured one from call 5 on; TE's amax
+reduction at the captured step's `te.autocast` exit updates every module registered under the recipe's key,
+the second model's included, so a graph whose reduction covers only the modules of its capture leaves the
+second model's FP8 state behind eager's (expected to fail until graphstep keys its graphs on TE's amax
+buffers: a silent difference, not a refusal).
 
 The probe runs in one child process for the whole module: TE's import stays out of this process (it would
 slow every later capture's census of live objects here) and its process-global FP8 state starts clean.
