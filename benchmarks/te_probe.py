@@ -46,6 +46,7 @@ import torch
 import graphstep
 import graphstep.optim
 from graphstep.demo.train import deterministic
+from graphstep.integrations import transformer_engine as gs_te
 
 te = transformer_engine = DelayedScaling = Format = (
     None  # loaded by load_te(): the test imports this file without TE
@@ -83,6 +84,7 @@ class Case:
     # captured step's te.autocast exit updates every module registered under the recipe's key, the
     # second model's too (a hazard: the captured graph's reduction covers the modules of its capture).
     second_model: bool = False
+    keyed: bool = False  # captured with graphstep.integrations.transformer_engine.capture_te_step
     hidden: int = 256
     layers: int = 2
 
@@ -91,6 +93,7 @@ class Case:
         extra = {"": "", "plain": "_recompute", "tracker": "_recompute_rngtracker"}[self.recompute]
         extra += "_weightcache" if self.first_microbatch else ""
         extra += "_secondmodel" if self.second_model else ""
+        extra += "_capture_te_step" if self.keyed else ""
         return f"{self.kind}_{'fp8' if self.fp8 else 'bf16'}{extra}"
 
 
@@ -104,6 +107,7 @@ def cases(fp8_ok: bool) -> list[Case]:
         out.append(Case("linear", fp8, first_microbatch=True))
     if fp8_ok:
         out.append(Case("linear", True, second_model=True))
+        out.append(Case("linear", True, second_model=True, keyed=True))
     return out
 
 
@@ -284,7 +288,8 @@ def train(case: Case, model: torch.nn.Module, step: Callable, data: list) -> lis
 def run_graphstep(case: Case, data: list, config: graphstep.Config | None = None) -> tuple[list[dict], dict]:
     fresh_fp8_state()
     model, opt = build(case)
-    step = graphstep.capture(
+    capture = gs_te.capture_te_step if case.keyed else graphstep.capture
+    step = capture(
         make_step(model, model, opt, case),
         model=model,
         optimizer=opt,
@@ -303,6 +308,8 @@ def probe(case: Case, calls: int = CALLS) -> dict:
     """One case: eager against graphstep, bitwise. Never raises."""
     row = {"case": case.name, "result": "ERROR", "detail": "", "stats": {}}
     try:
+        # A second model makes the keyed step warm up and capture again (3 + 1 calls) after it joins.
+        calls = max(calls, JOINS + 9) if case.second_model else calls
         data = batches(case, calls)
         with deterministic():
             eager = run_eager(case, data)
@@ -388,6 +395,12 @@ def environment() -> dict:
     env["torch"] = torch.__version__
     env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     env["te"] = getattr(transformer_engine, "__version__", "?") if te is not None else "not importable"
+    if te is not None:
+        env["te_path"] = os.path.dirname(te.__file__)
+        if f"{os.sep}site-packages{os.sep}" not in te.__file__:
+            # graphstep takes code outside site-packages for the user's: TE's Python would be judged as the
+            # step's own (its autocast's writes refused one by one, not by their net effect).
+            print(f"WARNING: TE is not under a site-packages directory ({te.__file__}): install it into one")
     return env
 
 
