@@ -21,7 +21,7 @@ TE's FP8 state is process-global (`FP8GlobalStateManager.quantization_state`: th
 `FP8GlobalStateManager.reset()`: two models trained in one process would otherwise update each other's
 scales. Writes `<out>/<gpu>_<date>_te-probe.{json,md}`. On one H100, a few minutes:
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/te/site:$PWD/src python3 benchmarks/te_probe.py --quick --bench --out $OUT
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/te/site-packages:$PWD/src python3 benchmarks/te_probe.py --quick --bench --out $OUT
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ buffers: a silent difference, not a refusal).
 The probe runs in one child process for the whole module: TE's import stays out of this process (it would
 slow every later capture's census of live objects here) and its process-global FP8 state starts clean.
 Needs TE importable (the lead's install: PYTHONPATH=/tmp/te/site, see benchmarks/te_probe.py):
-    PYTHONPATH=/tmp/te/site:$PWD/src python -m pytest -q tests/gpu/test_transformer_engine_gpu.py
+    PYTHONPATH=/tmp/te/site-packages:$PWD/src python -m pytest -q tests/gpu/test_transformer_engine_gpu.py
 """
 
 from __future__ import annotations
