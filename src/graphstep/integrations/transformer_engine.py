@@ -23,9 +23,10 @@ step included: a second model trained with an equal recipe, a module first run a
 graph's reduction covers the tensors registered when it was captured; eagerly, the same step would also
 update the ones registered since. So the buffers' membership is part of the graph's key: when a module
 joins (or `FP8GlobalStateManager.reset()` makes a new state), the step warms up and is captured again,
-its reduction covering them. Everything else TE's Python does in such a step leaves no trace between
-calls (the autocast's state is saved and put back, the modules' flags are written with the values they
-hold), and the updates themselves are GPU work, in the graph.
+its reduction covering them. Read from TE 2.20's source (the GPU probe, benchmarks/te_probe.py, checks
+it): everything else TE's Python does in such a step leaves no trace between calls (the autocast's state
+is saved and put back, the modules' flags are written with the values they hold), and the updates
+themselves are GPU work, in the graph.
 
 Not handled here: TE's debug tools (`nvdlfw_inspect`, per-iteration Python state), and
 `te.distributed.checkpoint` without a graph-safe RNG tracker (it reads the CUDA generator's state with
