@@ -1,0 +1,469 @@
+"""Transformer Engine training steps under graphstep (issue 39, item 3): a probe, and the bench to come.
+
+Tiny models, one per TE module kind (`te.Linear`, `te.LayerNormMLP`, `te.TransformerLayer`; fp32 parameters
+under bf16 autocast, as TE users train), each trained by one step function: the forward under
+`te.autocast` (FP8 with `DelayedScaling`: amax history and scales change on every step; or FP8 off), an MSE
+loss, backward, AdamW, zero_grad. Variants: TE's activation recompute (`te.distributed.checkpoint` around
+each layer) and, for te.Linear, TE's weight cache (`is_first_microbatch`).
+
+`--quick` (the probe): per case, an eager run, then a fresh identical model captured with
+`graphstep.capture(step, model=..., optimizer=...)`, deterministic mode, the same batches; after every
+call `torch.equal` on the loss, every parameter and every FP8 meta tensor TE keeps (per module: `fp8_meta`'s
+`scaling_fwd` / `scaling_bwd` recipe states, their `scale` and `amax_history`, the quantizers' views of
+them, and the cached FP8 weights' data and `scale_inv` in `_fp8_workspaces`). PASS / FAIL (what differs,
+first call) / REFUSED (graphstep's message) / ERROR (traceback), with `step.stats`.
+
+`--bench`: ms per step (CUDA events over TIMED steps after WARMUP) and peak memory for eager, TE's
+`te.make_graphed_callables` (the model graphed with its FP8 arguments, loss and AdamW eager) and graphstep.
+
+TE's FP8 state is process-global (`FP8GlobalStateManager.quantization_state`: the amax reduction at
+`te.autocast`'s exit updates every module registered under the same recipe key), so each run starts from
+`FP8GlobalStateManager.reset()`: two models trained in one process would otherwise update each other's
+scales. Writes `<out>/<gpu>_<date>_te-probe.{json,md}`. On one H100, a few minutes:
+
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/te/site-packages:$PWD/src python3 benchmarks/te_probe.py --quick --bench --out $OUT
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch and TE load: deterministic cuBLAS and TE attention (the bitwise cases need both).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+import argparse
+import dataclasses
+import datetime
+import json
+import re
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import graphstep
+import graphstep.optim
+from graphstep.demo.train import deterministic
+from graphstep.integrations import transformer_engine as gs_te
+
+te = transformer_engine = DelayedScaling = Format = (
+    None  # loaded by load_te(): the test imports this file without TE
+)
+
+
+def load_te() -> str:
+    """Imports Transformer Engine into this module's globals; returns the traceback where it fails."""
+    global te, transformer_engine, DelayedScaling, Format
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling, Format
+    except Exception:  # the probe reports what failed rather than dying on import
+        te = None
+        return traceback.format_exc()
+    return ""
+
+
+CALLS, WARMUP, TIMED = 10, 10, 50
+JOINS = 5  # the second model's first call (after graphstep's capture, at call 4)
+DEVICE = "cuda"  # TE needs CUDA; the probe's own logic was tried on the CPU with stand-ins for TE
+SEQ, BATCH = 128, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str  # "linear", "layernorm_mlp", "transformer"
+    fp8: bool
+    recompute: str = (
+        ""  # "": none; "plain": te.distributed.checkpoint; "tracker": with a graph-safe RNG tracker
+    )
+    first_microbatch: bool = False  # te.Linear's FP8 weight cache (is_first_microbatch=True on each call)
+    # A second model with the same recipe, trained eagerly from call JOINS on: TE's amax reduction at the
+    # captured step's te.autocast exit updates every module registered under the recipe's key, the
+    # second model's too (a hazard: the captured graph's reduction covers the modules of its capture).
+    second_model: bool = False
+    keyed: bool = False  # captured with graphstep.integrations.transformer_engine.capture_te_step
+    hidden: int = 256
+    layers: int = 2
+
+    @property
+    def name(self) -> str:
+        extra = {"": "", "plain": "_recompute", "tracker": "_recompute_rngtracker"}[self.recompute]
+        extra += "_weightcache" if self.first_microbatch else ""
+        extra += "_secondmodel" if self.second_model else ""
+        extra += "_capture_te_step" if self.keyed else ""
+        return f"{self.kind}_{'fp8' if self.fp8 else 'bf16'}{extra}"
+
+
+def cases(fp8_ok: bool) -> list[Case]:
+    out = []
+    for fp8 in [False, True] if fp8_ok else [False]:
+        for kind in ("linear", "layernorm_mlp", "transformer"):
+            out.append(Case(kind, fp8))
+            out.append(Case(kind, fp8, recompute="plain"))
+            out.append(Case(kind, fp8, recompute="tracker"))
+        out.append(Case("linear", fp8, first_microbatch=True))
+    if fp8_ok:
+        out.append(Case("linear", True, second_model=True))
+        out.append(Case("linear", True, second_model=True, keyed=True))
+    return out
+
+
+# -- the model and the step ------------------------------------------------------------------------
+
+
+class Stack(torch.nn.Module):
+    """`layers` TE modules of one kind, each optionally under TE's activation recompute."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        h = case.hidden
+        if case.kind == "linear":
+            blocks = [te.Linear(h, h, bias=True) for _ in range(case.layers)]
+        elif case.kind == "layernorm_mlp":
+            blocks = [te.LayerNormMLP(h, 4 * h) for _ in range(case.layers)]
+        elif case.kind == "transformer":
+            blocks = [
+                te.TransformerLayer(
+                    h, 4 * h, max(1, h // 64), hidden_dropout=0.0, attention_dropout=0.0, layer_number=i + 1
+                )
+                for i in range(case.layers)
+            ]
+        else:
+            raise ValueError(f"unknown TE module kind {case.kind!r}")
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.recompute, self.first_microbatch = case.recompute, case.first_microbatch
+        self.tracker = None
+        if case.recompute == "tracker":
+            # TE's recipe for recompute under CUDA graphs: an RNG tracker whose states are graph-safe
+            # generators (torch >= 2.4); checkpoint then saves and restores the CUDA RNG state with
+            # graphsafe_get_state / graphsafe_set_state instead of get_state (not allowed while capturing).
+            self.tracker = te.distributed.CudaRNGStatesTracker()
+            self.tracker.add("model-parallel-rng", 1234)
+
+    def _tracker(self):
+        return self.tracker
+
+    def generators(self) -> list[torch.Generator]:
+        """The tracker's CUDA generators: graphstep registers them with its graphs."""
+        if self.tracker is None:
+            return []
+        return [g for g in self.tracker.get_states().values() if isinstance(g, torch.Generator)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kwargs = {"is_first_microbatch": True} if self.first_microbatch else {}
+        for block in self.blocks:
+            if self.recompute == "tracker":
+                x = te.distributed.checkpoint(block, x, get_rng_state_tracker=self._tracker, **kwargs)
+            elif self.recompute:
+                x = te.distributed.checkpoint(block, x, **kwargs)
+            else:
+                x = block(x, **kwargs)
+        return x
+
+
+def recipe() -> DelayedScaling:
+    # Format.HYBRID: E4M3 forward, E5M2 gradients; a short history so that it rolls within the probe.
+    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, amax_compute_algo="max")
+
+
+def fresh_fp8_state() -> None:
+    """A clean process-global FP8 state (no other model's modules in its amax buffers)."""
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # TE before 2.10 kept it in fp8.py
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    FP8GlobalStateManager.reset()
+
+
+def build(case: Case, seed: int = 0) -> tuple[Stack, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Stack(case).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    graphstep.optim.make_capturable(opt, DEVICE)  # what graphstep does to the captured one: eager does it too
+    return model, opt
+
+
+def make_step(model: torch.nn.Module, forward: Callable, opt: torch.optim.Optimizer, case: Case) -> Callable:
+    """The training step; `forward` is the model or TE's graphed version of it."""
+    fp8_recipe = recipe()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            with te.autocast(enabled=case.fp8, recipe=fp8_recipe):
+                out = forward(x)
+            loss = (out.float() - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def batches(case: Case, n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (SEQ, BATCH, case.hidden)  # TE's default layout: sequence first
+    return [
+        (torch.randn(shape, device=DEVICE, generator=g), torch.randn(shape, device=DEVICE, generator=g))
+        for _ in range(n)
+    ]
+
+
+# -- TE's FP8 state, for the comparison --------------------------------------------------------------
+
+
+def fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every FP8 meta tensor TE 2.20 keeps per module, cloned: `fp8_meta["scaling_fwd"|"scaling_bwd"]`
+    (DelayedScalingRecipeState: `scale`, `amax_history`; TE makes `scale_inv` per quantized tensor), the
+    quantizers' `scale` / `amax` (views of those), and cached FP8 weights (`_fp8_workspaces`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not isinstance(meta, dict):
+            continue
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = meta.get(key)
+            for attr in ("scale", "amax_history", "scale_inv", "amax"):
+                t = getattr(state, attr, None)
+                if isinstance(t, torch.Tensor):
+                    out[f"{name}.fp8_meta[{key}].{attr}"] = t.detach().clone()
+            for i, q in enumerate(getattr(module, "quantizers", {}).get(key, []) or []):
+                for attr in ("scale", "amax"):
+                    t = getattr(q, attr, None)
+                    if isinstance(t, torch.Tensor):
+                        out[f"{name}.quantizers[{key}][{i}].{attr}"] = t.detach().clone()
+        for wname, ws in (getattr(module, "_fp8_workspaces", None) or {}).items():
+            for attr in ("_data", "_scale_inv", "_transpose"):
+                t = getattr(ws, attr, None)
+                if isinstance(t, torch.Tensor):
+                    out[f"{name}._fp8_workspaces[{wname}].{attr}"] = t.detach().clone()
+    return out
+
+
+def snapshot(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    snap = {"loss": loss.detach().clone()}
+    snap.update({f"param {n}": p.detach().clone() for n, p in model.named_parameters()})
+    snap.update(fp8_state(model))
+    return snap
+
+
+def first_difference(eager: list[dict], graphed: list[dict]) -> str | None:
+    for i, (e, g) in enumerate(zip(eager, graphed, strict=True)):
+        if e.keys() != g.keys():
+            return f"call {i}: different FP8 state keys: {sorted(set(e) ^ set(g))[:6]}"
+        for key, t in e.items():
+            if not torch.equal(t, g[key]):
+                diff = (t.float() - g[key].float()).abs().max().item() if t.shape == g[key].shape else "shape"
+                return f"call {i}: {key} differs (max |diff| {diff})"
+    return None
+
+
+# -- the probe ---------------------------------------------------------------------------------------
+
+
+def run_eager(case: Case, data: list) -> list[dict]:
+    fresh_fp8_state()
+    model, opt = build(case)
+    return train(case, model, make_step(model, model, opt, case), data)
+
+
+def train(case: Case, model: torch.nn.Module, step: Callable, data: list) -> list[dict]:
+    """Calls `step` on each batch; with `second_model`, an eager second model from call JOINS on."""
+    other = other_step = None
+    snaps = []
+    for i, (x, y) in enumerate(data):
+        snap = snapshot(model, step(x, y))
+        if case.second_model and i >= JOINS:
+            if other is None:
+                other, other_opt = build(case, seed=1)
+                other_step = make_step(other, other, other_opt, case)
+            snap.update({f"second model {k}": v for k, v in snapshot(other, other_step(x, y)).items()})
+        snaps.append(snap)
+    return snaps
+
+
+def run_graphstep(case: Case, data: list, config: graphstep.Config | None = None) -> tuple[list[dict], dict]:
+    fresh_fp8_state()
+    model, opt = build(case)
+    capture = gs_te.capture_te_step if case.keyed else graphstep.capture
+    step = capture(
+        make_step(model, model, opt, case),
+        model=model,
+        optimizer=opt,
+        generators=model.generators() or None,
+        config=config,
+    )
+    return train(case, model, step, data), stats_of(step)
+
+
+def stats_of(step) -> dict:
+    stats = step.stats
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+
+
+def probe(case: Case, calls: int = CALLS) -> dict:
+    """One case: eager against graphstep, bitwise. Never raises."""
+    row = {"case": case.name, "result": "ERROR", "detail": "", "stats": {}}
+    try:
+        # A second model makes the keyed step warm up and capture again (3 + 1 calls) after it joins.
+        calls = max(calls, JOINS + 9) if case.second_model else calls
+        data = batches(case, calls)
+        with deterministic():
+            eager = run_eager(case, data)
+            try:
+                graphed, row["stats"] = run_graphstep(case, data)
+            except graphstep.GraphStepError as e:
+                row.update(result="REFUSED", detail=f"{type(e).__name__}: {e}")
+                return row
+        difference = first_difference(eager, graphed)
+        n_fp8 = sum(1 for k in eager[0] if "fp8" in k or "quantizers" in k)
+        row.update(
+            result="FAIL" if difference else "PASS",
+            detail=difference or f"{calls} calls, {n_fp8} FP8 tensors",
+        )
+    except Exception:
+        row["detail"] = traceback.format_exc()
+    finally:
+        try:  # a failed capture can leave the device in an error state: say so rather than stop the probe
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        except Exception:
+            row["detail"] += "\nafter the case:\n" + traceback.format_exc()
+    return row
+
+
+# -- the bench ---------------------------------------------------------------------------------------
+
+
+def timed(step: Callable, data: list) -> tuple[float, float]:
+    """ms per step over TIMED calls after WARMUP, and peak MiB over the whole run."""
+    for i in range(WARMUP):
+        step(*data[i % len(data)])
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(TIMED):
+        step(*data[i % len(data)])
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / TIMED, torch.cuda.max_memory_allocated() / 2**20
+
+
+def bench_one(case: Case, method: str) -> dict:
+    row = {"case": case.name, "method": method, "ms": None, "peak_mib": None, "detail": ""}
+    try:
+        fresh_fp8_state()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model, opt = build(case)
+        data = batches(case, 4)
+        if method == "eager":
+            step = make_step(model, model, opt, case)
+        elif method == "te_graphed":
+            # TE's documented way: the module graphed with its FP8 arguments (under bf16 autocast without
+            # its cast cache, as TE requires), called under te.autocast; loss and AdamW stay eager.
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                graphed = te.make_graphed_callables(
+                    model, (data[0][0],), enabled=case.fp8, recipe=recipe() if case.fp8 else None
+                )
+            opt.zero_grad(set_to_none=True)  # its warm-up's backward passes left gradients
+            step = make_step(model, graphed, opt, case)
+        else:
+            step = graphstep.capture(
+                make_step(model, model, opt, case),
+                model=model,
+                optimizer=opt,
+                generators=model.generators() or None,
+            )
+        row["ms"], row["peak_mib"] = timed(step, data)
+        if method == "graphstep":
+            row["detail"] = json.dumps({k: v for k, v in stats_of(step).items() if isinstance(v, int)})
+    except Exception:
+        row["detail"] = traceback.format_exc()
+    return row
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+
+def environment() -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    env["torch"] = torch.__version__
+    env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    env["te"] = getattr(transformer_engine, "__version__", "?") if te is not None else "not importable"
+    if te is not None:
+        env["te_path"] = os.path.dirname(te.__file__)
+        if f"{os.sep}site-packages{os.sep}" not in te.__file__:
+            # graphstep takes code outside site-packages for the user's: TE's Python would be judged as the
+            # step's own (its autocast's writes refused one by one, not by their net effect).
+            print(f"WARNING: TE is not under a site-packages directory ({te.__file__}): install it into one")
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--quick", action="store_true", help="the bitwise probe")
+    parser.add_argument("--bench", action="store_true", help="timing rows")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--calls", type=int, default=CALLS, help="calls per probe case")
+    args = parser.parse_args()
+    import_error = load_te()
+    env = environment()
+    print(json.dumps(env))
+    if te is None:
+        print("transformer_engine.pytorch does not import:\n" + import_error)
+        write({"env": env, "import_error": import_error, "probe": [], "bench": []}, args.out)
+        return
+    fp8_ok, why = te.is_fp8_available(return_reason=True)
+    env["fp8"] = f"{fp8_ok} {why}".strip()
+    chosen = [c for c in cases(fp8_ok) if args.only in c.name]
+    report: dict = {"env": env, "probe": [], "bench": []}
+    if args.quick or not args.bench:
+        for case in chosen:
+            row = probe(case, args.calls)
+            report["probe"].append(row)
+            print(f"[probe] {row['case']}: {row['result']} {row['stats']}\n  {row['detail']}", flush=True)
+            write(report, args.out)  # after every row: a crash later keeps what was found
+    if args.bench:
+        for case in [c for c in chosen if not (c.first_microbatch or c.second_model)]:
+            for method in ("eager", "te_graphed", "graphstep"):
+                row = bench_one(dataclasses.replace(case, hidden=1024, layers=4), method)
+                report["bench"].append(row)
+                write(report, args.out)
+                print(
+                    f"[bench] {row['case']} {method}: {row['ms']} ms, {row['peak_mib']} MiB {row['detail']}",
+                    flush=True,
+                )
+    write(report, args.out)
+    counts = {}
+    for row in report["probe"]:
+        counts[row["result"]] = counts.get(row["result"], 0) + 1
+    print("summary:", json.dumps(counts))
+
+
+def write(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    env = report["env"]
+    card = re.search(r"\b[A-Z]\d{2,4}\b", env["gpu"])  # "NVIDIA H100 80GB HBM3" -> h100
+    stem = f"{card.group(0).lower() if card else 'gpu'}_{env['date'][:10]}_te-probe"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+    lines = [f"# TE under graphstep: {env}", "", "| case | result | detail |", "|---|---|---|"]
+    for r in report["probe"]:
+        said = r["detail"].strip().splitlines() or [""]
+        said = said[-1] if r["result"] == "ERROR" else said[0]  # a traceback's last line, else the first
+        lines.append(f"| {r['case']} | {r['result']} | {said.replace('|', '/')} |")
+    lines += ["", "| case | method | ms/step | peak MiB |", "|---|---|---|---|"]
+    for r in report["bench"]:
+        ms = f"{r['ms']:.2f}" if r["ms"] is not None else "error"
+        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else ""
+        lines.append(f"| {r['case']} | {r['method']} | {ms} | {peak} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
