@@ -242,29 +242,41 @@ class SyncingHead(torch.nn.Module):
         return self.out(h) * scale
 
 
-def test_a_capture_stopped_after_a_segment_lets_go_of_what_it_made():
-    """A capture stopped by a host sync after an eager segment: the segment's boundary node held its plan,
-    and through it the capture's session, buffers and the forward graph with its activations, in a cycle
-    through autograd's C++ graph that no garbage collection frees; on a GPU, in the pool the capture
-    abandoned, for good (39 MiB on the MoE row). Here the recording backend's recorder of a capture holds
-    every tensor it made: only the one of the capture that succeeded may be left."""
+def recorders() -> set[int]:
+    """The recording backend's recorders alive now, by id: each holds every tensor its capture made."""
     from graphstep.backends import recording
 
     gc.collect()
-    before = {id(o) for o in gc.get_objects() if type(o) is recording._Recorder}  # earlier tests'
+    return {id(o) for o in gc.get_objects() if type(o) is recording._Recorder}
+
+
+def moe_step(calls: int, late_break: bool = False, **config):
+    """An MoE step (a break at its experts; at its head too with `late_break`) called `calls` times."""
     torch.manual_seed(0)
     model = MoENet()
-    model.out = SyncingHead()
+    if late_break:
+        model.out = SyncingHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph", **config)
     step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
     g = torch.Generator().manual_seed(0)
-    for _ in range(6):
+    for _ in range(calls):
         step(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g))
-    assert step.stats.graph_breaks == 2 and step.stats.captures == 1, step.stats
-    gc.collect()
-    recorders = [o for o in gc.get_objects() if type(o) is recording._Recorder and id(o) not in before]
-    assert len(recorders) == 1, f"{len(recorders) - 1} failed captures' recorders are alive"
+    assert step.stats.graph_breaks == 1 + late_break and step.stats.captures == 1, step.stats
+    return step
+
+
+def test_no_capture_is_left_alive_by_a_step_with_graph_breaks():
+    """Each segment's boundary node holds its plan, and through it the capture's session, buffers and
+    the forward graph with its activations, in a cycle through autograd's C++ graph that no garbage
+    collection frees. A capture stopped by a host sync after a segment left all of it, on a GPU in the
+    pool it abandoned, for good (39 MiB on the MoE row); the capture that succeeded left it until the
+    process ended, `close()` or not. The recording backend's recorder of a capture holds every tensor
+    it made: none is left once the capture is over (the replays need none)."""
+    before = recorders()
+    step = moe_step(6, late_break=True)
+    alive = len(recorders() - before)
+    assert not alive, f"{alive} captures' recorders are alive"
     step.close()
 
 
@@ -273,28 +285,16 @@ def test_a_graph_breaks_failed_capture_is_let_go_before_the_warm_up_that_follows
     and the error's frames held everything the capture made (on a GPU: a break at the end of the forward
     held its activations through that warm-up, 14.9 GiB against eager's 8.8 on the batched_mm row)."""
     from graphstep import lifecycle
-    from graphstep.backends import recording
 
-    gc.collect()
-    before = {id(o) for o in gc.get_objects() if type(o) is recording._Recorder}
+    before = recorders()
     alive = []
     warm_up_again = lifecycle._warm_up_again
 
     def counting(life, again, *args):
-        gc.collect()
-        alive.append(
-            sum(1 for o in gc.get_objects() if type(o) is recording._Recorder and id(o) not in before)
-        )
+        alive.append(len(recorders() - before))
         return warm_up_again(life, again, *args)
 
     monkeypatch.setattr(lifecycle, "_warm_up_again", counting)
-    torch.manual_seed(0)
-    model = MoENet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
-    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        step(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g))
-    assert step.stats.graph_breaks == 1 and alive == [0], (step.stats, alive)
+    step = moe_step(5)
+    assert alive == [0], alive
     step.close()

@@ -330,15 +330,14 @@ class _Plan:
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
         return grads + [by_param.get(id(t)) for t in self.tensors[self.n_inputs :]]
 
-    def let_go_if_failed(self, kind: type | None, error: BaseException | None, tb: Any) -> None:
-        """At the end of a capture (`ExitStack.push`: called with the error, if any). A failed capture's
-        boundary nodes hold this plan (`ctx.plan`), and through it the capture's session, its segments'
-        buffers and the forward graph up to the failure with its saved activations; the nodes are held
-        back by the graph in C++, a cycle the garbage collector cannot see. A graph break's capture was
-        left behind so, in its abandoned pool, for good (issue 42: 39 MiB on the MoE row, 113 MiB with
-        grouped_mm). Let go of all of it."""
-        if kind is not None:
-            self.forward, self.order, self.tensors, self.session = None, None, [], None
+    def let_go(self, kind: type | None, error: BaseException | None, tb: Any) -> None:
+        """At the end of a capture, failed or not (`ExitStack.push`: called with the error, if any). The
+        capture's boundary nodes hold this plan (`ctx.plan`), and through it the capture's session, its
+        segments' buffers and the forward graph with its saved activations; the nodes are held by the graph
+        in C++, a cycle the garbage collector cannot see. A failed capture's stayed so, in its abandoned
+        pool, for good (issue 42: 39 MiB on the MoE row, 113 MiB with grouped_mm), and the capture that
+        succeeded kept its own until the process ended, `close()` or not. Replays need none of it."""
+        self.forward, self.order, self.tensors, self.session = None, None, [], None
 
     def watch(self, outputs: tuple) -> None:
         """After the boundary node exists: have the capture's backward find its targets' later users."""
@@ -381,7 +380,7 @@ def _split(
     known = {id(t) for t in inputs}
     params = [p for p in reach.params + reach.idle if id(p) not in known]
     plan = _Plan(session, fn, name, input_spec, len(inputs), seen, inputs + params, held)
-    session.exits.push(plan.let_go_if_failed)
+    session.exits.push(plan.let_go)
     outputs = _Boundary.apply(plan, *inputs, *params)
     if plan.forward is not None:
         plan.watch(outputs)
