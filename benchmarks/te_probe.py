@@ -73,7 +73,7 @@ def load_te() -> str:
 
 
 CALLS, WARMUP, TIMED = 10, 10, 40
-JOINS = 5  # the second model's first call (after graphstep's capture, at call 4)
+JOINS = 5  # the other model's first call (after graphstep's capture, call 3 counted from 0)
 DEVICE = "cuda"  # TE needs CUDA; the probe's own logic was tried on the CPU with stand-ins for TE
 SEQ, BATCH = 128, 4
 
@@ -86,9 +86,9 @@ class Case:
         ""  # "": none; "plain": te.distributed.checkpoint; "tracker": with a graph-safe RNG tracker
     )
     first_microbatch: bool = False  # te.Linear's FP8 weight cache (is_first_microbatch=True on each call)
-    # A second model with the same recipe, trained eagerly from call JOINS on: TE's amax reduction at the
-    # captured step's te.autocast exit updates every module registered under the recipe's key, the
-    # second model's too (a hazard: the captured graph's reduction covers the modules of its capture).
+    # A second model with the same recipe, trained eagerly from call JOINS on: eagerly, the captured
+    # step's reductions cover its tensors too, the graph's do not; no difference is expected all the same
+    # (run 1: PASS), since its own reductions consume its amaxes and TE's update skips a zero amax.
     second_model: bool = False
     # A model with the same recipe whose forward runs under te.autocast with autograd off (an evaluation,
     # a frozen teacher) from call JOINS on, after each training call. Such a forward writes its amaxes but
