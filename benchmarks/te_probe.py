@@ -1,10 +1,13 @@
-"""Transformer Engine training steps under graphstep (issue 39, item 3): a probe, and the bench to come.
+"""Transformer Engine training steps under graphstep (issue 39, item 3): a bitwise probe and a bench.
 
 Tiny models, one per TE module kind (`te.Linear`, `te.LayerNormMLP`, `te.TransformerLayer`; fp32 parameters
 under bf16 autocast, as TE users train), each trained by one step function: the forward under
 `te.autocast` (FP8 with `DelayedScaling`: amax history and scales change on every step; or FP8 off), an MSE
 loss, backward, AdamW, zero_grad. Variants: TE's activation recompute (`te.distributed.checkpoint` around
-each layer) and, for te.Linear, TE's weight cache (`is_first_microbatch`).
+each layer, after an input projection that is not checkpointed; without and with a graph-safe RNG
+tracker), te.Linear with TE's weight cache (`is_first_microbatch`), and FP8 te.Linear with another model of
+the same recipe that first runs after the capture (trained: `_secondmodel`; forward without grad:
+`_evalmodel`), captured plainly and with `capture_te_step`.
 
 `--quick` (the probe): per case, an eager run, then a fresh identical model captured with
 `graphstep.capture(step, model=..., optimizer=...)`, deterministic mode, the same batches; after every
@@ -12,16 +15,19 @@ call `torch.equal` on the loss, every parameter and every FP8 meta tensor TE kee
 `scaling_fwd` / `scaling_bwd` recipe states, their `scale` and `amax_history`, the quantizers' views of
 them, and the cached FP8 weights' data and `scale_inv` in `_fp8_workspaces`). PASS / FAIL (what differs,
 first call) / REFUSED (graphstep's message) / ERROR (traceback), with `step.stats`.
+Writes `<out>/<gpu>_<date>_te-probe.{json,md}`; about two minutes on an H100.
 
 `--bench`: ms per step (CUDA events over TIMED steps after WARMUP) and peak memory for eager, TE's
-`te.make_graphed_callables` (the model graphed with its FP8 arguments, loss and AdamW eager) and graphstep.
+`te.make_graphed_callables` (the model graphed with its FP8 arguments, loss and AdamW eager) and graphstep,
+on BENCH_CASES (a TE transformer, hidden 1024, 4 layers: bf16, FP8, FP8 with recompute and the RNG
+tracker). Writes `<out>/<gpu>_<date>_te-bench.{json,md}`; well under 90 s on an H100.
 
 TE's FP8 state is process-global (`FP8GlobalStateManager.quantization_state`: the amax reduction at
 `te.autocast`'s exit updates every module registered under the same recipe key), so each run starts from
-`FP8GlobalStateManager.reset()`: two models trained in one process would otherwise update each other's
-scales. Writes `<out>/<gpu>_<date>_te-probe.{json,md}`. On one H100, a few minutes:
+`FP8GlobalStateManager.reset()`: two models trained in one process would otherwise share amax buffers.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/te/site-packages:$PWD/src python3 benchmarks/te_probe.py --quick --bench --out $OUT
+    PYTHONPATH=/tmp/te/site-packages:$PWD/src python3 benchmarks/te_probe.py --quick --out $OUT
+    PYTHONPATH=/tmp/te/site-packages:$PWD/src python3 benchmarks/te_probe.py --bench --out $OUT
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import dataclasses
 import datetime
 import json
 import re
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -66,10 +73,11 @@ def load_te() -> str:
     return ""
 
 
-CALLS, WARMUP, TIMED = 10, 10, 50
-JOINS = 5  # the second model's first call (after graphstep's capture, at call 4)
+CALLS, WARMUP, TIMED = 10, 10, 40
+JOINS = 5  # the other model's first call (after graphstep's capture, call 3 counted from 0)
 DEVICE = "cuda"  # TE needs CUDA; the probe's own logic was tried on the CPU with stand-ins for TE
 SEQ, BATCH = 128, 4
+BENCH_BUDGET_S = 75  # the bench's rows after this many seconds are skipped (its callers allow ~100 s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +88,16 @@ class Case:
         ""  # "": none; "plain": te.distributed.checkpoint; "tracker": with a graph-safe RNG tracker
     )
     first_microbatch: bool = False  # te.Linear's FP8 weight cache (is_first_microbatch=True on each call)
-    # A second model with the same recipe, trained eagerly from call JOINS on: TE's amax reduction at the
-    # captured step's te.autocast exit updates every module registered under the recipe's key, the
-    # second model's too (a hazard: the captured graph's reduction covers the modules of its capture).
+    # A second model with the same recipe, trained eagerly from call JOINS on: eagerly, the captured
+    # step's reductions cover its tensors too, the graph's do not; no difference is expected all the same
+    # (run 1: PASS), since its own reductions consume its amaxes and TE's update skips a zero amax.
     second_model: bool = False
+    # A model with the same recipe whose forward runs under te.autocast with autograd off (an evaluation,
+    # a frozen teacher) from call JOINS on, after each training call. Such a forward writes its amaxes but
+    # does not reduce them (te.autocast reduces at its exit only with grad enabled): the next training
+    # step's reduction does, eagerly; a graph captured before the model's first forward does not (TE's
+    # kernel skips a registered tensor whose current amax is 0, which is why `second_model` cannot show it).
+    eval_model: bool = False
     keyed: bool = False  # captured with graphstep.integrations.transformer_engine.capture_te_step
     hidden: int = 256
     layers: int = 2
@@ -93,6 +107,7 @@ class Case:
         extra = {"": "", "plain": "_recompute", "tracker": "_recompute_rngtracker"}[self.recompute]
         extra += "_weightcache" if self.first_microbatch else ""
         extra += "_secondmodel" if self.second_model else ""
+        extra += "_evalmodel" if self.eval_model else ""
         extra += "_capture_te_step" if self.keyed else ""
         return f"{self.kind}_{'fp8' if self.fp8 else 'bf16'}{extra}"
 
@@ -108,7 +123,17 @@ def cases(fp8_ok: bool) -> list[Case]:
     if fp8_ok:
         out.append(Case("linear", True, second_model=True))
         out.append(Case("linear", True, second_model=True, keyed=True))
+        out.append(Case("linear", True, eval_model=True))
+        out.append(Case("linear", True, eval_model=True, keyed=True))
     return out
+
+
+# The bench's cases: a TE transformer (hidden 1024, 4 layers) with FP8 off and on, and with FP8 under
+# recompute with the graph-safe RNG tracker (the recompute that captures).
+BENCH_CASES = [
+    Case("transformer", fp8, recompute=recompute, hidden=1024, layers=4)
+    for fp8, recompute in ((True, ""), (False, ""), (True, "tracker"))
+]
 
 
 # -- the model and the step ------------------------------------------------------------------------
@@ -134,6 +159,11 @@ class Stack(torch.nn.Module):
         else:
             raise ValueError(f"unknown TE module kind {case.kind!r}")
         self.blocks = torch.nn.ModuleList(blocks)
+        # Under recompute, an input projection first, not checkpointed (an embedding, in a real model):
+        # te.distributed.checkpoint is reentrant by default, an autograd Function whose output needs grad
+        # only when an input tensor does (the layer's parameters are not its inputs). Checkpointing the
+        # first layer on the raw data would leave the loss with no grad_fn, as it would eagerly.
+        self.proj = torch.nn.Linear(h, h) if case.recompute else None
         self.recompute, self.first_microbatch = case.recompute, case.first_microbatch
         self.tracker = None
         if case.recompute == "tracker":
@@ -154,6 +184,8 @@ class Stack(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kwargs = {"is_first_microbatch": True} if self.first_microbatch else {}
+        if self.proj is not None:
+            x = self.proj(x)
         for block in self.blocks:
             if self.recompute == "tracker":
                 x = te.distributed.checkpoint(block, x, get_rng_state_tracker=self._tracker, **kwargs)
@@ -271,8 +303,13 @@ def run_eager(case: Case, data: list) -> list[dict]:
 
 
 def train(case: Case, model: torch.nn.Module, step: Callable, data: list) -> list[dict]:
-    """Calls `step` on each batch; with `second_model`, an eager second model from call JOINS on."""
+    """Calls `step` on each batch; with `second_model`, an eager second model trained from call JOINS on;
+    with `eval_model`, an eval model's forward (no grad) after each call from JOINS on."""
     other = other_step = None
+    # Built (not run) before the first call: TE registers a module's amaxes at its first forward, and the
+    # eval model's first forward must come after the capture; building it here keeps the seeding out of
+    # the calls.
+    watcher = build(case, seed=1)[0].eval() if case.eval_model else None
     snaps = []
     for i, (x, y) in enumerate(data):
         snap = snapshot(model, step(x, y))
@@ -281,6 +318,11 @@ def train(case: Case, model: torch.nn.Module, step: Callable, data: list) -> lis
                 other, other_opt = build(case, seed=1)
                 other_step = make_step(other, other, other_opt, case)
             snap.update({f"second model {k}": v for k, v in snapshot(other, other_step(x, y)).items()})
+        if watcher is not None and i >= JOINS:
+            fp8 = te.autocast(enabled=case.fp8, recipe=recipe())
+            with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16), fp8:
+                out = watcher(x)
+            snap.update({f"eval model {k}": v for k, v in snapshot(watcher, out.float()).items()})
         snaps.append(snap)
     return snaps
 
@@ -309,7 +351,7 @@ def probe(case: Case, calls: int = CALLS) -> dict:
     row = {"case": case.name, "result": "ERROR", "detail": "", "stats": {}}
     try:
         # A second model makes the keyed step warm up and capture again (3 + 1 calls) after it joins.
-        calls = max(calls, JOINS + 9) if case.second_model else calls
+        calls = max(calls, JOINS + 9) if case.second_model or case.eval_model else calls
         data = batches(case, calls)
         with deterministic():
             eager = run_eager(case, data)
@@ -417,7 +459,8 @@ def main() -> None:
     print(json.dumps(env))
     if te is None:
         print("transformer_engine.pytorch does not import:\n" + import_error)
-        write({"env": env, "import_error": import_error, "probe": [], "bench": []}, args.out)
+        report = {"env": env, "import_error": import_error, "probe": [], "bench": []}
+        write(report, args.out, "te-bench" if args.bench and not args.quick else "te-probe")
         return
     fp8_ok, why = te.is_fp8_available(return_reason=True)
     env["fp8"] = f"{fp8_ok} {why}".strip()
@@ -430,38 +473,62 @@ def main() -> None:
             print(f"[probe] {row['case']}: {row['result']} {row['stats']}\n  {row['detail']}", flush=True)
             write(report, args.out)  # after every row: a crash later keeps what was found
     if args.bench:
-        for case in [c for c in chosen if not (c.first_microbatch or c.second_model)]:
+        began = time.monotonic()
+        for case in [c for c in BENCH_CASES if args.only in c.name and (fp8_ok or not c.fp8)]:
             for method in ("eager", "te_graphed", "graphstep"):
-                row = bench_one(dataclasses.replace(case, hidden=1024, layers=4), method)
+                if time.monotonic() - began > BENCH_BUDGET_S:  # a row that is slow: the rest say so
+                    row = {"case": case.name, "method": method, "ms": None, "peak_mib": None}
+                    row["detail"] = f"skipped: the bench ran past {BENCH_BUDGET_S} s"
+                else:
+                    row = bench_one(case, method)
                 report["bench"].append(row)
-                write(report, args.out)
+                write(report, args.out, "te-bench")
                 print(
                     f"[bench] {row['case']} {method}: {row['ms']} ms, {row['peak_mib']} MiB {row['detail']}",
                     flush=True,
                 )
-    write(report, args.out)
+    if args.quick or not args.bench:
+        write(report, args.out)
+    if args.bench:
+        write(report, args.out, "te-bench")
     counts = {}
     for row in report["probe"]:
         counts[row["result"]] = counts.get(row["result"], 0) + 1
     print("summary:", json.dumps(counts))
 
 
-def write(report: dict, out: Path) -> None:
+def write(report: dict, out: Path, kind: str = "te-probe") -> None:
+    """`<out>/<gpu>_<date>_<kind>.{json,md}`: the probe's rows (te-probe) and the bench's (te-bench) in
+    files of their own, so that a --bench run does not overwrite a --quick run's."""
     out.mkdir(parents=True, exist_ok=True)
     env = report["env"]
     card = re.search(r"\b[A-Z]\d{2,4}\b", env["gpu"])  # "NVIDIA H100 80GB HBM3" -> h100
-    stem = f"{card.group(0).lower() if card else 'gpu'}_{env['date'][:10]}_te-probe"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
-    lines = [f"# TE under graphstep: {env}", "", "| case | result | detail |", "|---|---|---|"]
-    for r in report["probe"]:
-        said = r["detail"].strip().splitlines() or [""]
-        said = said[-1] if r["result"] == "ERROR" else said[0]  # a traceback's last line, else the first
-        lines.append(f"| {r['case']} | {r['result']} | {said.replace('|', '/')} |")
-    lines += ["", "| case | method | ms/step | peak MiB |", "|---|---|---|---|"]
-    for r in report["bench"]:
-        ms = f"{r['ms']:.2f}" if r["ms"] is not None else "error"
-        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else ""
-        lines.append(f"| {r['case']} | {r['method']} | {ms} | {peak} |")
+    stem = f"{card.group(0).lower() if card else 'gpu'}_{env['date'][:10]}_{kind}"
+    part = "bench" if kind == "te-bench" else "probe"
+    kept = {k: v for k, v in report.items() if k not in ("probe", "bench") or k == part}
+    (out / f"{stem}.json").write_text(json.dumps(kept, indent=1, default=str))
+    lines = [f"# TE under graphstep ({part}): {env}", ""]
+    if report.get("import_error"):
+        lines += ["transformer_engine.pytorch does not import:", "", "```", report["import_error"], "```"]
+    if part == "probe":
+        lines += ["| case | result | detail |", "|---|---|---|"]
+        for r in report["probe"]:
+            said = r["detail"].strip().splitlines() or [""]
+            said = said[-1] if r["result"] == "ERROR" else said[0]  # a traceback's last line, else the first
+            lines.append(f"| {r['case']} | {r['result']} | {said.replace('|', '/')} |")
+    else:
+        lines += [
+            f"hidden {BENCH_CASES[0].hidden}, {BENCH_CASES[0].layers} layers, seq {SEQ} x batch {BATCH}; "
+            f"ms per step over {TIMED} steps after {WARMUP}; peak allocated over the run",
+            "",
+            "| case | method | ms/step | peak MiB | detail |",
+            "|---|---|---|---|---|",
+        ]
+        for r in report["bench"]:
+            ms = f"{r['ms']:.2f}" if r["ms"] is not None else "error"
+            peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else ""
+            said = (r["detail"].strip().splitlines() or [""])[-1].replace("|", "/")
+            lines.append(f"| {r['case']} | {r['method']} | {ms} | {peak} | {said} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -2,12 +2,14 @@
 
 Transformer Engine needs CUDA, so TE itself is not here: a stand-in keeps TE's bookkeeping as TE 2.20 does
 (`FP8GlobalStateManager.quantization_state.global_amax_buffer`: per recipe key, the list of registered
-modules' amax tensors; a module registers its tensor at its first forward; the reduction at `te.autocast`'s
-exit updates every registered tensor), compiled under a site-packages path so that graphstep treats it as
-a library, as it treats TE. A second model registers after the first one's capture and trains eagerly
-beside it: eagerly, the first model's reduction updates the second one's tensor too. Keyed on the
-buffers' membership, the step is captured again and stays bitwise equal to eager; a plain capture leaves
-the second model's tensor behind (what the key is for). The GPU tests with TE itself:
+modules' current amax tensors; a module registers at its first forward and writes its amax there; the
+reduction at a grad-enabled `te.autocast`'s exit updates every registered tensor, skipping one whose
+current amax is 0, as TE's kernel does, and zeroes it), compiled under a site-packages path so that
+graphstep treats it as a library, as it treats TE. Another model registers after the first one's capture:
+run without grad (an evaluation), its amax waits for the next training step's reduction, which eagerly
+covers it; keyed on the buffers' membership, the step is captured again and stays bitwise equal to eager,
+and a plain capture leaves that model's scale behind (what the key is for). Trained, the other model's own
+reductions consume its amaxes, and a plain capture stays equal too. The GPU tests with TE itself:
 tests/gpu/test_transformer_engine_gpu.py.
 """
 
@@ -29,32 +31,39 @@ import torch
 class FP8GlobalState:
     def __init__(self):
         self.global_amax_buffer = {}
+        self.global_scale_buffer = {}
 
 class FP8GlobalStateManager:
     quantization_state = FP8GlobalState()
 
 class Module(torch.nn.Module):
-    """A TE-like module: its amax joins the global buffer at its first forward."""
+    """A TE-like module: its amax and scale join the global buffers at its first forward."""
 
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
-        self.register_buffer("amax", torch.ones(1))
+        self.register_buffer("amax", torch.zeros(1))  # TE: amax_history[0], the current amax
+        self.register_buffer("scale", torch.ones(1))
         self.registered = False
 
     def forward(self, x):
         if not self.registered:
-            FP8GlobalStateManager.quantization_state.global_amax_buffer.setdefault("forward_k", []).append(self.amax)
+            state = FP8GlobalStateManager.quantization_state
+            state.global_amax_buffer.setdefault("forward_k", []).append(self.amax)
+            state.global_scale_buffer.setdefault("forward_k", []).append(self.scale)
             self.registered = True
-        y = self.lin(x) / self.amax.clone()  # the scale from the history (TE: scale, from amax)
+        y = self.lin(x) * self.scale.clone()
         self.amax.copy_(torch.maximum(self.amax, y.detach().abs().amax()))
         return y
 
 def reduce_and_update():
-    """te.autocast's exit: every registered tensor, this step's modules' or not."""
-    for tensors in FP8GlobalStateManager.quantization_state.global_amax_buffer.values():
-        for amax in tensors:
-            amax.mul_(0.75)
+    """A grad-enabled te.autocast's exit: every registered tensor, this step's modules' or not; one with
+    no new amax (0) keeps its scale, as in TE's kernel."""
+    state = FP8GlobalStateManager.quantization_state
+    for key, amaxes in state.global_amax_buffer.items():
+        for amax, scale in zip(amaxes, state.global_scale_buffer[key]):
+            scale.copy_(torch.where(amax > 0, 1.0 / (1.0 + amax), scale))
+            amax.zero_()
 '''
 
 
@@ -83,24 +92,28 @@ def _training(te, seed: int):
     return model, opt, step
 
 
-def _run(te, capture, calls: int = 10, joins: int = 5) -> list[list[torch.Tensor]]:
-    """The first model's step (captured by `capture`, or eager); from call `joins` on, a second model's
-    step, eagerly. Per call: the loss, the first model's parameters and amax, the second model's amax."""
+def _run(te, capture, other_trains: bool, calls: int = 10, joins: int = 5) -> list[list[torch.Tensor]]:
+    """The first model's step (captured by `capture`, or eager); from call `joins` on, a second model:
+    its training step (`other_trains`) or its forward without grad, eagerly. Per call: the loss, the first
+    model's parameters, amax and scale, the second model's output, amax and scale."""
     te.FP8GlobalStateManager.quantization_state = te.FP8GlobalState()
     model, opt, step = _training(te, 0)
     if capture is not None:
         step = capture(step, model=model, optimizer=opt, config=graphstep.Config(backend="recording"))
-    other = other_step = None
+    other, _, other_step = _training(te, 1)  # built now, first run at `joins`: registered then
     seen = []
     for i in range(calls):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
-        loss = step(x)
+        state = [step(x), *(p.detach().clone() for p in model.parameters()), model.amax.clone()]
+        state.append(model.scale.clone())
         if i >= joins:
-            if other is None:
-                other, _, other_step = _training(te, 1)
-            other_step(x)
-        state = [loss, *(p.detach().clone() for p in model.parameters()), model.amax.clone()]
-        seen.append(state + ([other.amax.clone()] if other is not None else []))
+            if other_trains:
+                state.append(other_step(x))
+            else:
+                with torch.no_grad():
+                    state.append(other(x))
+            state += [other.amax.clone(), other.scale.clone()]
+        seen.append(state)
     return seen
 
 
@@ -121,13 +134,27 @@ def test_key_follows_the_amax_buffers_membership(te_stand_in):
     assert gs_te.amax_membership() != empty
 
 
-def test_a_module_registered_after_capture_is_reduced_as_eager(te_stand_in):
-    eager = _run(te_stand_in, None)
-    keyed = _run(te_stand_in, gs_te.capture_te_step)
-    assert _same(eager, keyed)
-    # Without the key, the graph's reduction covers the first model's tensor only: the second model's
-    # amax misses the first model's reduction on every replay (eagerly it is updated there).
-    assert not _same(eager, _run(te_stand_in, graphstep.capture))
+def test_a_model_run_without_grad_after_capture_is_reduced_as_eager(te_stand_in):
+    eager = _run(te_stand_in, None, other_trains=False)
+    step_stats = []
+
+    def keyed_capture(fn, **options):
+        step = gs_te.capture_te_step(fn, **options)
+        step_stats.append(step)
+        return step
+
+    assert _same(eager, _run(te_stand_in, keyed_capture, other_trains=False))
+    assert step_stats[0].stats.captures == 2  # again once the second model registered
+    # Without the key, the graph's reduction covers the first model's tensors only: the second model's
+    # amax, written without grad, is never reduced, and its scale stays behind eager's.
+    assert not _same(eager, _run(te_stand_in, graphstep.capture, other_trains=False))
+
+
+def test_a_model_trained_after_capture_needs_no_key(te_stand_in):
+    # Its own step reduces (and zeroes) its amax; the captured step's missing reduction of it is a no-op.
+    eager = _run(te_stand_in, None, other_trains=True)
+    assert _same(eager, _run(te_stand_in, graphstep.capture, other_trains=True))
+    assert _same(eager, _run(te_stand_in, gs_te.capture_te_step, other_trains=True))
 
 
 def test_without_te_imported_the_key_is_empty(monkeypatch):

@@ -17,15 +17,20 @@ What a plain `graphstep.capture` would get wrong. TE keeps delayed scaling's sta
 (`FP8GlobalStateManager.quantization_state`, transformer_engine/pytorch/quantization.py): each TE module
 adds its amax history and scale tensors, once, in its first FP8 forward that is not being captured, to
 global buffers per recipe key (the recipe's repr and the amax group; `add_fp8_tensors_to_global_buffer`).
-The reduction at the outermost `te.autocast`'s exit (the forward's tensors) and in the first module's
-backward (the backward's) updates every tensor registered under the key, those of modules outside the
-step included: a second model trained with an equal recipe, a module first run after the capture. A
-graph's reduction covers the tensors registered when it was captured; eagerly, the same step would also
-update the ones registered since. So the buffers' membership is part of the graph's key: when a module
-joins (or `FP8GlobalStateManager.reset()` makes a new state), the step warms up and is captured again,
-its reduction covering them. Read from TE 2.20's source (the GPU probe, benchmarks/te_probe.py, checks
-it): everything else TE's Python does in such a step leaves no trace between calls (the autocast's state
-is saved and put back, the modules' flags are written with the values they hold), and the updates
+The reduction at the outermost grad-enabled `te.autocast`'s exit (the forward's tensors) and in the first
+module's backward (the backward's) updates every tensor registered under the key, those of modules outside
+the step included; TE's update kernel skips a tensor whose current amax (`amax_history[0]`) is 0, and
+zeroes the others'. A graph's reduction covers the tensors registered when it was captured. That matters
+for a module that writes amaxes which no reduction of its own consumes: a model run under `te.autocast`
+without grad (an evaluation, a frozen teacher; te.autocast reduces only with grad enabled) first run after
+the capture. Eagerly, the next training step's reduction folds its amaxes into its history and scale;
+the graph's does not, and that model's scales silently fall behind. (A second model trained with an equal
+recipe is not affected: its own reductions consume its amaxes, and the captured step's reduction would
+find them 0.) So the buffers' membership is part of the graph's key: when a module joins (or
+`FP8GlobalStateManager.reset()` makes a new state), the step warms up and is captured again, its reduction
+covering them. Read from TE 2.20's source; the GPU probe (benchmarks/te_probe.py, `linear_fp8_evalmodel`)
+checks it: everything else TE's Python does in such a step leaves no trace between calls (the autocast's
+state is saved and put back, the modules' flags are written with the values they hold), and the updates
 themselves are GPU work, in the graph.
 
 Not handled here: TE's debug tools (`nvdlfw_inspect`, per-iteration Python state), and
