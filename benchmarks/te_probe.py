@@ -7,7 +7,7 @@ loss, backward, AdamW, zero_grad. Variants: TE's activation recompute (`te.distr
 each layer, after an input projection that is not checkpointed; without and with a graph-safe RNG
 tracker), te.Linear with TE's weight cache (`is_first_microbatch`), and FP8 te.Linear with another model of
 the same recipe that first runs after the capture (trained: `_secondmodel`; forward without grad:
-`_evalmodel`), captured plainly and with `capture_te_step`.
+`_evalmodel`: the step is captured again once it joined TE's amax buffers).
 
 `--quick` (the probe): per case, an eager run, then a fresh identical model captured with
 `graphstep.capture(step, model=..., optimizer=...)`, deterministic mode, the same batches; after every
@@ -53,7 +53,6 @@ import torch
 import graphstep
 import graphstep.optim
 from graphstep.demo.train import deterministic
-from graphstep.integrations import transformer_engine as gs_te
 
 te = transformer_engine = DelayedScaling = Format = (
     None  # loaded by load_te(): the test imports this file without TE
@@ -98,7 +97,6 @@ class Case:
     # step's reduction does, eagerly; a graph captured before the model's first forward does not (TE's
     # kernel skips a registered tensor whose current amax is 0, which is why `second_model` cannot show it).
     eval_model: bool = False
-    keyed: bool = False  # captured with graphstep.integrations.transformer_engine.capture_te_step
     hidden: int = 256
     layers: int = 2
 
@@ -108,7 +106,6 @@ class Case:
         extra += "_weightcache" if self.first_microbatch else ""
         extra += "_secondmodel" if self.second_model else ""
         extra += "_evalmodel" if self.eval_model else ""
-        extra += "_capture_te_step" if self.keyed else ""
         return f"{self.kind}_{'fp8' if self.fp8 else 'bf16'}{extra}"
 
 
@@ -122,9 +119,7 @@ def cases(fp8_ok: bool) -> list[Case]:
         out.append(Case("linear", fp8, first_microbatch=True))
     if fp8_ok:
         out.append(Case("linear", True, second_model=True))
-        out.append(Case("linear", True, second_model=True, keyed=True))
         out.append(Case("linear", True, eval_model=True))
-        out.append(Case("linear", True, eval_model=True, keyed=True))
     return out
 
 
@@ -330,8 +325,7 @@ def train(case: Case, model: torch.nn.Module, step: Callable, data: list) -> lis
 def run_graphstep(case: Case, data: list, config: graphstep.Config | None = None) -> tuple[list[dict], dict]:
     fresh_fp8_state()
     model, opt = build(case)
-    capture = gs_te.capture_te_step if case.keyed else graphstep.capture
-    step = capture(
+    step = graphstep.capture(
         make_step(model, model, opt, case),
         model=model,
         optimizer=opt,
@@ -350,7 +344,7 @@ def probe(case: Case, calls: int = CALLS) -> dict:
     """One case: eager against graphstep, bitwise. Never raises."""
     row = {"case": case.name, "result": "ERROR", "detail": "", "stats": {}}
     try:
-        # A second model makes the keyed step warm up and capture again (3 + 1 calls) after it joins.
+        # A second model makes the step warm up and capture again (3 + 1 calls) after it joins.
         calls = max(calls, JOINS + 9) if case.second_model or case.eval_model else calls
         data = batches(case, calls)
         with deterministic():

@@ -1,4 +1,5 @@
-"""graphstep.integrations.transformer_engine's key on TE's amax buffers, on the CPU's recording backend.
+"""A captured step follows TE's amax buffers (graphstep.integrations.transformer_engine), on the CPU's
+recording backend.
 
 Transformer Engine needs CUDA, so TE itself is not here: a stand-in keeps TE's bookkeeping as TE 2.20 does
 (`FP8GlobalStateManager.quantization_state.global_amax_buffer`: per recipe key, the list of registered
@@ -7,9 +8,9 @@ reduction at a grad-enabled `te.autocast`'s exit updates every registered tensor
 current amax is 0, as TE's kernel does, and zeroes it), compiled under a site-packages path so that
 graphstep treats it as a library, as it treats TE. Another model registers after the first one's capture:
 run without grad (an evaluation), its amax waits for the next training step's reduction, which eagerly
-covers it; keyed on the buffers' membership, the step is captured again and stays bitwise equal to eager,
-and a plain capture leaves that model's scale behind (what the key is for). Trained, the other model's own
-reductions consume its amaxes, and a plain capture stays equal too. The GPU tests with TE itself:
+covers it; the captured step sees the buffers' membership change and is captured again, bitwise equal to
+eager (not watching, its graph would leave that model's scale behind). Trained, the other model's own
+reductions consume its amaxes. The GPU tests with TE itself:
 tests/gpu/test_transformer_engine_gpu.py.
 """
 
@@ -121,7 +122,7 @@ def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
     return all(len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y)) for x, y in zip(a, b))
 
 
-def test_key_follows_the_amax_buffers_membership(te_stand_in):
+def test_the_membership_follows_the_amax_buffers(te_stand_in):
     te = te_stand_in
     state = te.FP8GlobalStateManager.quantization_state = te.FP8GlobalState()
     empty = gs_te.amax_membership()
@@ -134,30 +135,34 @@ def test_key_follows_the_amax_buffers_membership(te_stand_in):
     assert gs_te.amax_membership() != empty
 
 
-def test_a_model_run_without_grad_after_capture_is_reduced_as_eager(te_stand_in):
+def _capture_noting(steps: list):
+    def capture(fn, **options):
+        steps.append(graphstep.capture(fn, **options))
+        return steps[-1]
+
+    return capture
+
+
+def test_a_model_run_without_grad_after_capture_is_reduced_as_eager(te_stand_in, monkeypatch):
     eager = _run(te_stand_in, None, other_trains=False)
-    step_stats = []
-
-    def keyed_capture(fn, **options):
-        step = gs_te.capture_te_step(fn, **options)
-        step_stats.append(step)
-        return step
-
-    assert _same(eager, _run(te_stand_in, keyed_capture, other_trains=False))
-    assert step_stats[0].stats.captures == 2  # again once the second model registered
-    # Without the key, the graph's reduction covers the first model's tensors only: the second model's
-    # amax, written without grad, is never reduced, and its scale stays behind eager's.
+    steps = []
+    assert _same(eager, _run(te_stand_in, _capture_noting(steps), other_trains=False))
+    assert steps[0].stats.captures == 2  # again once the second model registered
+    # Not watching TE's buffers, the graph's reduction covers the first model's tensors only: the second
+    # model's amax, written without grad, is never reduced, and its scale stays behind eager's.
+    monkeypatch.setattr(gs_te, "te_imported", lambda: False)
     assert not _same(eager, _run(te_stand_in, graphstep.capture, other_trains=False))
 
 
-def test_a_model_trained_after_capture_needs_no_key(te_stand_in):
-    # Its own step reduces (and zeroes) its amax; the captured step's missing reduction of it is a no-op.
+def test_a_model_trained_after_capture_is_reduced_as_eager(te_stand_in):
+    # Its own step reduces (and zeroes) its amax; the step is captured again all the same.
     eager = _run(te_stand_in, None, other_trains=True)
-    assert _same(eager, _run(te_stand_in, graphstep.capture, other_trains=True))
-    assert _same(eager, _run(te_stand_in, gs_te.capture_te_step, other_trains=True))
+    steps = []
+    assert _same(eager, _run(te_stand_in, _capture_noting(steps), other_trains=True))
+    assert steps[0].stats.captures == 2
 
 
-def test_without_te_imported_the_key_is_empty(monkeypatch):
+def test_without_te_imported_the_membership_is_empty(monkeypatch):
     for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert gs_te.amax_membership() == ()

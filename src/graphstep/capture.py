@@ -30,6 +30,7 @@ from .diagnostics import (
 from .distributed.ranks import Phase
 from .errors import ChangingArgumentError, ClosedError, GraphStepError, TooManyGraphsError
 from .guards import fastcheck
+from .integrations import transformer_engine
 from .lifecycle import Lifecycle
 from .signature import Signature
 from .state import TrainingState, as_list
@@ -112,6 +113,8 @@ class CapturedStep:
         self._share = share_pool_with
         self._process_group = process_group
         self._stats = StepStats()
+        self._library_state: Callable[[], Any] | None = None  # read at each call's start and end (below)
+        self._library_state_seen: Any = None
         self._busy: int | None = None  # the thread running a call
         self._closed = False
         teardown.opened(self)
@@ -137,6 +140,8 @@ class CapturedStep:
             raise
         finally:
             self._busy = None
+            if self._library_state is not None:
+                self._library_state_seen = self._library_state()
 
     @property
     def stats(self) -> StepStats:
@@ -210,6 +215,8 @@ class CapturedStep:
         return getattr(self._fn, "__qualname__", repr(self._fn))
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        if self._library_state is not None and self._library_state() != self._library_state_seen:
+            self._library_state_changed()
         life = self._last_life
         if life is not None and self._last_key.matches(args, kwargs):  # the same signature as the last call
             if self._new_in_a_row:
@@ -232,8 +239,23 @@ class CapturedStep:
             self._last_life = None
         return life.call(leaves, args, kwargs)
 
+    def _library_state_changed(self) -> None:
+        """Transformer Engine's FP8 amax buffers changed between calls (a module joined them, or TE's
+        state was reset): each graph's reduction covers the modules registered at its capture, where
+        eager's covers every one registered (`integrations/transformer_engine.py`). Capture again."""
+        if self._lives:
+            log.info(
+                "%s: Transformer Engine's FP8 amax buffers changed since the last call (a module was added to "
+                "them, or they were reset): the step is warmed up and captured again, its amax reductions "
+                "covering every registered module as eager's do.",
+                self._name,
+            )
+            self.reset()
+
     def _context_for(self, leaves: list[torch.Tensor]) -> StepContext:
         if self._ctx is None:
+            if transformer_engine.te_imported():
+                self._library_state = transformer_engine.amax_membership
             shared = None
             if self._share is not None:
                 shared = shared_backend_of(self._name, self._share._name, self._share._ctx)

@@ -6,6 +6,6 @@
 - `graphstep.integrations.deepspeed`: `capture_engine_step` for a DeepSpeed ZeRO-1/2 engine's step, and
   `initialize` (`deepspeed.initialize` on graphstep's capture stream) (`pip install graphstep[deepspeed]`);
   `deepspeed_handover` is its hand-over of DeepSpeed's Python state to `engine.step()`'s segment.
-- `graphstep.integrations.transformer_engine`: `capture_te_step` for a step that runs Transformer Engine
-  modules with FP8 delayed scaling (its graphs keyed on TE's process-global amax buffers).
+- `graphstep.integrations.transformer_engine`: nothing to call (plain `graphstep.capture` captures a step
+  with Transformer Engine modules); what a captured step watches of TE's process-wide FP8 amax buffers.
 """

@@ -1,57 +1,44 @@
-"""Transformer Engine: a step that runs TE modules under `te.autocast` with FP8 delayed scaling, captured.
+"""Transformer Engine: what `graphstep.capture` watches of TE's process-wide FP8 state.
 
-    import graphstep.integrations.transformer_engine as gs_te
+Nothing to call: a step that runs TE modules under `te.autocast` (FP8 delayed scaling included) is captured
+with plain `graphstep.capture`. This module is what the captured step consults on each call once TE is
+imported.
 
-    def train_step(x, y):
-        with te.autocast(enabled=True, recipe=recipe):
-            out = model(x)
-        loss = loss_fn(out, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
+Why. TE keeps delayed scaling's state process-wide (`FP8GlobalStateManager.quantization_state`,
+transformer_engine/pytorch/quantization.py): each TE module adds its amax history and scale tensors, once,
+in its first FP8 forward that is not being captured, to global buffers per recipe key (the recipe's repr
+and the amax group; `add_fp8_tensors_to_global_buffer`). The reduction at the outermost grad-enabled
+`te.autocast`'s exit (the forward's tensors) and in the first module's backward (the backward's) updates
+every tensor registered under the key, those of modules outside the step included. A graph's reduction
+covers the tensors registered when it was captured; eagerly, the same step also updates the ones registered
+since. Where that differs: a model with the same recipe first run after the capture *without grad* (an
+evaluation, a frozen teacher) leaves its amaxes for the next training step's reduction, which a graph
+captured before it would skip, its scale left behind (TE's update skips a tensor whose current amax is 0, so
+a second model that *trains* reduces its own and is not affected). So the captured step reads the buffers'
+membership at each call: when a module joined (or `FP8GlobalStateManager.reset()` made a new state), its
+graphs are dropped and it warms up and is captured again, the reduction covering them.
 
-    step = gs_te.capture_te_step(train_step, model=model, optimizer=optimizer)
-
-What a plain `graphstep.capture` would get wrong. TE keeps delayed scaling's state process-wide
-(`FP8GlobalStateManager.quantization_state`, transformer_engine/pytorch/quantization.py): each TE module
-adds its amax history and scale tensors, once, in its first FP8 forward that is not being captured, to
-global buffers per recipe key (the recipe's repr and the amax group; `add_fp8_tensors_to_global_buffer`).
-The reduction at the outermost grad-enabled `te.autocast`'s exit (the forward's tensors) and in the first
-module's backward (the backward's) updates every tensor registered under the key, those of modules outside
-the step included; TE's update kernel skips a tensor whose current amax (`amax_history[0]`) is 0, and
-zeroes the others'. A graph's reduction covers the tensors registered when it was captured. That matters
-for a module that writes amaxes which no reduction of its own consumes: a model run under `te.autocast`
-without grad (an evaluation, a frozen teacher; te.autocast reduces only with grad enabled) first run after
-the capture. Eagerly, the next training step's reduction folds its amaxes into its history and scale;
-the graph's does not, and that model's scales silently fall behind. (A second model trained with an equal
-recipe is not affected: its own reductions consume its amaxes, and the captured step's reduction would
-find them 0.) So the buffers' membership is part of the graph's key: when a module joins (or
-`FP8GlobalStateManager.reset()` makes a new state), the step warms up and is captured again, its reduction
-covering them. Read from TE 2.20's source; the GPU probe (benchmarks/te_probe.py, `linear_fp8_evalmodel`)
-checks it: everything else TE's Python does in such a step leaves no trace between calls (the autocast's
-state is saved and put back, the modules' flags are written with the values they hold), and the updates
-themselves are GPU work, in the graph.
-
-Not handled here: TE's debug tools (`nvdlfw_inspect`, per-iteration Python state), and
-`te.distributed.checkpoint` without a graph-safe RNG tracker (it reads the CUDA generator's state with
-`get_state()`, which CUDA graph capture forbids): pass `get_rng_state_tracker=` a
-`CudaRNGStatesTracker` and its generators as `generators=`.
+Read from TE 2.20's source and checked on an H100 (benchmarks/te_probe.py, tests/gpu/test_transformer_engine_gpu.py):
+everything else TE's Python does in such a step leaves no trace between calls (the autocast's state is saved
+and put back, the modules' flags are written with the values they hold), and the updates themselves are GPU
+work, in the graph. Not handled: TE's debug tools (`nvdlfw_inspect`, per-iteration Python state), and
+`te.distributed.checkpoint` without a graph-safe RNG tracker (it reads the CUDA generator's state, which a
+capture forbids): pass `get_rng_state_tracker=` a `CudaRNGStatesTracker` and its generators as `generators=`.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from ..capture import CapturedStep
-from ..config import Config
-
-__all__ = ["capture_te_step", "amax_membership"]
+__all__ = ["amax_membership", "te_imported"]
 
 _QUANTIZATION_MODULES = ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8")
 """Where FP8GlobalStateManager lives: quantization.py since TE 2.10, fp8.py before."""
+
+
+def te_imported() -> bool:
+    return any(name in sys.modules for name in _QUANTIZATION_MODULES)
 
 
 def _manager() -> Any:
@@ -71,32 +58,3 @@ def amax_membership() -> tuple:
     state = getattr(manager, "quantization_state", manager)  # TE < 2.20 kept the buffers on the class
     buffers = getattr(state, "global_amax_buffer", {})
     return (id(state), tuple(sorted((key, len(tensors)) for key, tensors in buffers.items())))
-
-
-def capture_te_step(
-    fn: Callable | None = None,
-    *,
-    model: Any = None,
-    optimizer: Any = None,
-    generators: list | None = None,
-    config: Config | None = None,
-) -> Any:
-    """`graphstep.capture` for a step that runs Transformer Engine modules (see the module's docstring):
-    the same arguments; the graphs are keyed on TE's amax buffers' membership. Usable as a decorator."""
-    options = {"model": model, "optimizer": optimizer, "generators": generators, "config": config}
-    if fn is None:
-        return lambda f: capture_te_step(f, **options)
-
-    def step(*args: Any, _graphstep_te: tuple = (), **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    step.__name__ = getattr(fn, "__name__", "step")
-    step.__qualname__ = getattr(fn, "__qualname__", step.__name__)
-    return _TEStep(step, **options)
-
-
-class _TEStep(CapturedStep):
-    """A `CapturedStep` whose calls carry TE's amax buffers' membership in their key."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(*args, _graphstep_te=amax_membership(), **kwargs)
