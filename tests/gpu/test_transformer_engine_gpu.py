@@ -21,6 +21,7 @@ The probe runs in one child process for the whole module: TE's import stays out 
 slow every later capture's census of live objects here) and its process-global FP8 state starts clean.
 Needs TE importable (the lead's install under /tmp/te/site-packages, see benchmarks/te_probe.py):
     PYTHONPATH=/tmp/te/site-packages:$PWD/src python -m pytest -q tests/gpu/test_transformer_engine_gpu.py
+(`TE_PROBE_OUT=DIR` keeps the probe's report there.)
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ CASES = te_probe.cases(fp8_ok=True)
 
 @pytest.fixture(scope="module")
 def probe_rows(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("te_probe")
+    out = (
+        Path(os.environ["TE_PROBE_OUT"])
+        if "TE_PROBE_OUT" in os.environ
+        else tmp_path_factory.mktemp("te_probe")
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "te_probe.py"), "--quick", "--out", str(out)],
