@@ -1,0 +1,198 @@
+"""The write watch's two tracers (src/graphstep/effects/tracing.py) show a client the same frames,
+instruction offsets and ends: `sys.settrace`, and on Python >= 3.12 `sys.monitoring` with events on the
+traced code objects only.
+
+tracing.py imports only the standard library and is loaded here by its path, so this file also runs
+on an interpreter without torch (the one where `sys.monitoring` exists when the venv's does not):
+`python3.12 -m pytest --noconftest -p no:cacheprovider tests/test_effects_tracing.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "src" / "graphstep" / "effects" / "tracing.py"
+_spec = importlib.util.spec_from_file_location("graphstep_tracing_under_test", _PATH)
+tracing = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = tracing  # (dataclasses and enum look their module up by name)
+_spec.loader.exec_module(tracing)
+
+TRACERS = {"settrace": tracing.Settrace, "monitoring": getattr(tracing, "Monitoring", None)}
+
+
+class Recorder:
+    """A client that traces code named `w_*`, treats `log_it` as a logging call, and notes everything."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def frame_kind(self, frame):
+        name = frame.f_code.co_name
+        if name.startswith("w_"):
+            return tracing.Kind.TRACE
+        return tracing.Kind.LOGGING if name == "log_it" else tracing.Kind.SKIP
+
+    def logging_call(self, frame):
+        self.events.append(("log", frame.f_back.f_code.co_name))
+
+    def opcode(self, frame, offset):
+        assert offset == frame.f_lasti
+        self.events.append(("op", frame.f_code.co_name, offset))
+
+    def finish(self, frame):
+        self.events.append(("end", frame.f_code.co_name))
+
+
+class Box:
+    pass
+
+
+def log_it(message):
+    return message
+
+
+def helper(box):  # not traced: SKIP
+    box.helper = 1
+    return w_leaf(box)
+
+
+def w_leaf(box):
+    box.leaf = 2
+    return box.leaf
+
+
+def w_generator(box):
+    box.n = 0
+    for i in range(3):
+        box.n += i
+        yield i
+
+
+def w_raises(box):
+    box.before = 1
+    raise KeyError("x")
+
+
+def w_catches(box):
+    try:
+        w_raises(box)
+    except KeyError:
+        box.caught = True
+    try:
+        box.missing_attribute.x = 1
+    except AttributeError:
+        box.second = True
+
+
+def w_recursive(box, depth, tracer):
+    if depth == 0:
+        tracer.start()  # this frame started before the watch: it is not traced, the frames it calls are
+        w_recursive(box, depth + 1, tracer)
+        box.outer = "after"  # (its code is traced now: this frame still is not)
+        return
+    if depth < 3:
+        box.depth = depth
+        w_recursive(box, depth + 1, tracer)
+
+
+def w_thrown():
+    try:
+        yield 1
+    except ValueError:
+        yield 2
+
+
+def w_workload(box, started):
+    log_it("hello")
+    helper(box)
+    items = list(w_generator(box))
+    box.items = items
+    w_catches(box)
+    next(started)  # resumed during the watch, created before: traced from here on
+    thrown = w_thrown()
+    next(thrown)
+    thrown.throw(ValueError())
+    other = threading.Thread(target=w_leaf, args=(Box(),))  # another thread: not traced
+    other.start()
+    other.join()
+    return box
+
+
+def run(tracer_class) -> list[tuple]:
+    client = Recorder()
+    tracer = tracer_class(client)
+    started = w_generator(Box())
+    next(started)  # a frame running (suspended) before the watch
+    box = Box()
+    assert tracer.start()
+    try:
+        w_workload(box, started)
+    finally:
+        tracer.stop()
+    w_leaf(Box())  # after the watch: not traced
+    tracer = tracer_class(client)
+    w_recursive(Box(), 0, tracer)  # starts the watch itself
+    tracer.stop()
+    return client.events
+
+
+def test_settrace_follows_the_frames_that_start_during_the_watch():
+    events = run(tracing.Settrace)
+    names = {e[1] for e in events if e[0] == "op"}
+    assert names == {
+        "w_workload",
+        "w_leaf",
+        "w_generator",
+        "w_catches",
+        "w_raises",
+        "w_thrown",
+        "w_recursive",
+    }
+    assert ("log", "w_workload") in events
+    assert events.count(("end", "w_leaf")) == 1  # from helper: not the thread's, not after the watch
+    # w_generator: 4 ends (3 yields and the return) of the list's, 1 (a yield) of the one resumed in the watch
+    assert events.count(("end", "w_generator")) == 5
+    assert events.count(("end", "w_recursive")) == 3  # depths 1..3; depth 0 began the watch
+    assert sys.gettrace() is None
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python >= 3.12")
+def test_monitoring_shows_the_client_what_settrace_shows():
+    with_settrace = run(tracing.Settrace)
+    with_monitoring = run(tracing.Monitoring)
+    assert with_monitoring == with_settrace
+    # Nothing left behind: no tool id held, no local events on the traced code.
+    assert all(sys.monitoring.get_tool(tool) is None for tool in tracing._TOOL_IDS)
+    assert sys.monitoring.get_local_events(0, w_leaf.__code__) == 0
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python >= 3.12")
+def test_monitoring_sees_code_disabled_in_an_earlier_watch():
+    """A code object skipped in one watch (DISABLE) is judged afresh in the next."""
+    first, second = Recorder(), Recorder()
+    first.frame_kind = lambda frame: tracing.Kind.SKIP
+    tracer = tracing.Monitoring(first)
+    assert tracer.start()
+    w_leaf(Box())
+    tracer.stop()
+    tracer = tracing.Monitoring(second)
+    assert tracer.start()
+    w_leaf(Box())
+    tracer.stop()
+    assert first.events == [] and ("end", "w_leaf") in second.events
+
+
+def test_the_tracer_is_chosen_by_graphstep_tracer(monkeypatch):
+    monkeypatch.setenv("GRAPHSTEP_TRACER", "settrace")
+    assert tracing.chosen() == "settrace"
+    assert isinstance(tracing.tracer(Recorder()), tracing.Settrace)
+    monkeypatch.delenv("GRAPHSTEP_TRACER")
+    assert tracing.chosen() == ("monitoring" if hasattr(sys, "monitoring") else "settrace")
+    monkeypatch.setenv("GRAPHSTEP_TRACER", "ptrace")
+    with pytest.raises(ValueError, match="GRAPHSTEP_TRACER='ptrace'"):
+        tracing.chosen()
