@@ -14,7 +14,7 @@ bench builds them) and a transformers GPT-2 small, and splits graphstep's extra 
 
 Each graphstep run is made with every tracer path this Python offers (`GRAPHSTEP_TRACER`:
 "settrace"; on Python >= 3.12 also "monitoring", PEP 669's `sys.monitoring` with events only on the
-code objects that can write; see src/graphstep/effects/tracing.py). Writes
+code objects that can write; see src/graphstep/guards/tracing.py). Writes
 <out>/<gpu>_<date>_capture_breakdown.{json,md}.
 
 Run (GPU): `python benchmarks/capture_breakdown.py --out benchmarks/results`
@@ -61,9 +61,9 @@ CALLS = 6
 
 
 def _small_gpt2(ctx: BuildContext) -> Workload:
-    """GPT-2 small's depth and width at a CPU-sized batch (2×64 tokens, a 8192-token vocabulary):
-    the Python the watches see is the same as at full size."""
-    cfg = dataclasses.replace(GPT2_SMALL, vocab_size=8192, seq_len=64)
+    """GPT-2 small's depth (12 blocks, 12 heads) at CPU size (192 wide, 2×64 tokens, 8192-token
+    vocabulary): the Python the watches see is the same as at full size, the arithmetic far less."""
+    cfg = dataclasses.replace(GPT2_SMALL, vocab_size=8192, seq_len=64, n_embd=192)
     torch.manual_seed(0)
     with ctx.device:
         model = GPT(cfg)
@@ -82,8 +82,8 @@ def _hf_gpt2(small: bool) -> Callable[[BuildContext], Workload]:
 
         cfg = transformers.GPT2Config()  # GPT-2 small: 12 layers, 768 wide
         batch, seq = (2, 64) if small else (8, 1024)
-        if small:
-            cfg.vocab_size = 8192
+        if small:  # its depth, at CPU size (as _small_gpt2)
+            cfg.vocab_size, cfg.n_embd, cfg.n_positions = 8192, 192, 64
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(cfg).to(ctx.device)
         model.config.use_cache = False
@@ -281,7 +281,10 @@ def run_graphstep(build: Callable, device: torch.device, *, left_out: str = "") 
 
 
 def median_run(run: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
-    runs = [run() for _ in range(repeats)]
+    runs = []
+    for _ in range(repeats):
+        runs.append(run())
+        gc.collect()  # the last run's model and graphs go before the next is timed
     return {key: statistics.median(r.get(key, 0.0) for r in runs) for key in runs[0]}
 
 

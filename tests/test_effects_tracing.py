@@ -1,4 +1,4 @@
-"""The write watch's two tracers (src/graphstep/effects/tracing.py) show a client the same frames,
+"""The write watch's two tracers (src/graphstep/guards/tracing.py) show a client the same frames,
 instruction offsets and ends: `sys.settrace`, and on Python >= 3.12 `sys.monitoring` with events on the
 traced code objects only.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "src" / "graphstep" / "effects" / "tracing.py"
+_PATH = Path(__file__).resolve().parents[1] / "src" / "graphstep" / "guards" / "tracing.py"
 _spec = importlib.util.spec_from_file_location("graphstep_tracing_under_test", _PATH)
 tracing = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = tracing  # (dataclasses and enum look their module up by name)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import graphstep
+from cpu_common import each_tracer  # noqa: F401  (each test under each tracer this Python has)
 from graphstep.effects.host_random import HostRandomWatch
 from graphstep.errors import HostRandomError
 

@@ -18,7 +18,7 @@ writes to objects the step creates, whatever an eager segment does (it runs on e
 the interpreter runs on its own in the middle of the step (a gc callback, a finalizer). A write of the value already there
 (`self.flag = True` when it was True, an equal number) changes nothing.
 
-How: an opcode tracer (`tracing.py`: `sys.settrace`, or on Python >= 3.12 `sys.monitoring` with
+How: an opcode tracer (`guards/tracing.py`: `sys.settrace`, or on Python >= 3.12 `sys.monitoring` with
 instruction events on those code objects only) on judged frames that contain stores or calls of
 containers' mutating methods (`append`, `update`, ...); the target of each comes from the bytecode
 (`targets.py`) and is compared before and after the instruction. `sys.settrace` chains to the tracer
@@ -53,8 +53,9 @@ import torch
 
 from ..backends import segments
 from ..errors import PythonWriteError
+from ..guards import tracing
 from ..guards.compiling import unseen
-from . import targets, tracing, trusted, values
+from . import targets, trusted, values
 from .library_writes import LibraryWrites
 
 log = logging.getLogger("graphstep")
@@ -142,12 +143,7 @@ class WriteWatch:
         self._used = True
         previous, profile = sys.gettrace(), sys.getprofile()
         if previous is not None and not callable(previous) and tracing.chosen() == "settrace":
-            log.warning(
-                "graphstep: a C-level tracer is active, so %s's capture cannot watch its writes to "
-                "Python state (nothing is refused this time).",
-                self.step_name,
-            )
-            return self
+            return _unwatched(self, "a C-level tracer is active")
         if profile is None or callable(profile):  # a Python profiler would see every call the census makes
             sys.setprofile(None)
         try:
@@ -157,17 +153,12 @@ class WriteWatch:
         finally:
             if profile is None or callable(profile):
                 sys.setprofile(profile)
-        # Hooks called inside compiled models too: not to be compiled.
-        self._tracer = tracing.tracer(self, wrap=unseen)
-        if not self._tracer.start():
+        self._tracer = tracing.start(self, wrap=unseen)  # (hooks run in compiled models: not compiled)
+        if self._tracer is None:
             self._census.drop()
-            log.warning(
-                "graphstep: another tool holds the tracing hooks graphstep needs (%s), so %s's capture "
-                "cannot watch its writes to Python state (nothing is refused this time).",
-                self._tracer.name,
-                self.step_name,
+            return _unwatched(
+                self, "other tools hold sys.monitoring's free tool ids, and a C-level tracer is active"
             )
-            return self
         self._active = True
         _watching.append(self)
         return self
@@ -360,6 +351,16 @@ class WriteWatch:
         if _asynchronous(frame):  # not the step's work, though it ran during it
             return
         self.writes.append(Write(self._where(frame, line), what, undo, attribute))
+
+
+def _unwatched(watch: WriteWatch, why: str) -> WriteWatch:
+    log.warning(
+        "graphstep: %s, so %s's capture cannot watch its writes to Python state (nothing is refused "
+        "this time).",
+        why,
+        watch.step_name,
+    )
+    return watch
 
 
 _watching: list[WriteWatch] = []

@@ -1,6 +1,7 @@
-"""How the write watch follows the step's frames instruction by instruction: two tracers, one behaviour.
+"""How the watches follow the step's frames: the write watch instruction by instruction (`Settrace`,
+`Monitoring`: two tracers, one behaviour), the read watch frame by frame (`Starts`).
 
-`writes.WriteWatch` is the client: for each frame that starts (or resumes) while the watch runs, on
+`effects/writes.py`'s `WriteWatch` is the client of a tracer: for each frame that starts (or resumes) while the watch runs, on
 the thread that entered it, it says what the frame is (`Kind`); a frame to trace then gets
 `client.opcode(frame, offset)` before each of its instructions and `client.finish(frame)` when it
 returns, yields or unwinds; a call into `logging` gets `client.logging_call(frame)`. Frames already
@@ -20,7 +21,8 @@ running when the watch began are not traced, nor frames of other threads.
   the same frames, offsets and ends (tests/test_effects_tracing.py runs
   both on one workload and compares them, where the interpreter has both).
 
-`GRAPHSTEP_TRACER=settrace|monitoring` picks one; unset: `Monitoring` where it is available.
+`GRAPHSTEP_TRACER=settrace|monitoring` picks one (for the read watch: `sys.setprofile` or `Starts`);
+unset: `sys.monitoring` where it is available, the legacy hooks where its tool ids are all taken.
 This module imports only the standard library (its test runs on an interpreter without torch).
 """
 
@@ -77,6 +79,19 @@ def tracer(client: Client, wrap: Callable[[Callable], Callable] = lambda f: f) -
     """The chosen tracer for `client`, not started. `wrap`: applied to every hook (graphstep keeps
     them out of what torch.compile compiles)."""
     return Monitoring(client, wrap) if chosen() == "monitoring" else Settrace(client, wrap)
+
+
+def start(client: Client, wrap: Callable[[Callable], Callable] = lambda f: f) -> Settrace | Monitoring | None:
+    """The chosen tracer, started; `Settrace` when `sys.monitoring` has no tool id free; None when
+    that cannot start either (a C-level tracer is active, which it cannot chain)."""
+    chosen_one = tracer(client, wrap)
+    if chosen_one.start():
+        return chosen_one
+    if isinstance(chosen_one, Monitoring):
+        fallback = Settrace(client, wrap)
+        if fallback.start():
+            return fallback
+    return None
 
 
 # -- sys.settrace ------------------------------------------------------------------------------------
@@ -273,3 +288,57 @@ def _running(code: types.CodeType) -> types.FrameType:
     while frame.f_code is not code:
         frame = frame.f_back
     return frame
+
+
+# -- frames that start: the read watch's only need -------------------------------------------------
+
+
+class Starts:
+    """`on_start(frame)` for each Python frame that starts or resumes on this thread while on: a
+    profile function's "call" event, from `sys.monitoring`'s PY_START / PY_RESUME / PY_THROW alone
+    (no event per C call, nor per return, as `sys.setprofile` has on every function). `on_start`
+    returns False for a code object it never needs to see again (until the next `Starts`): that
+    one costs nothing more. Python >= 3.12 (`guards/reads.py` keeps `sys.setprofile` before, or
+    when `GRAPHSTEP_TRACER=settrace`)."""
+
+    def __init__(self, on_start: Callable[[types.FrameType], bool], wrap: Callable[[Callable], Callable]):
+        self.on_start, self.wrap = on_start, wrap
+        self._tool: int | None = None
+        self._thread = 0
+
+    def start(self) -> bool:
+        """False when no tool id is free: nothing installed."""
+        monitoring = sys.monitoring
+        free = [tool for tool in _TOOL_IDS if monitoring.get_tool(tool) is None]
+        if not free:
+            return False
+        self._tool = tool = free[0]
+        self._thread = threading.get_ident()
+        monitoring.use_tool_id(tool, "graphstep read watch")
+        events = monitoring.events
+        monitoring.register_callback(tool, events.PY_START, self.wrap(self._started))
+        monitoring.register_callback(tool, events.PY_RESUME, self.wrap(self._started))
+        monitoring.register_callback(tool, events.PY_THROW, self.wrap(self._thrown))
+        monitoring.restart_events()  # (see Monitoring.start)
+        monitoring.set_events(tool, events.PY_START | events.PY_RESUME | events.PY_THROW)
+        return True
+
+    def stop(self) -> None:
+        monitoring, tool = sys.monitoring, self._tool
+        if tool is None:
+            return
+        monitoring.set_events(tool, 0)
+        events = monitoring.events
+        for event in (events.PY_START, events.PY_RESUME, events.PY_THROW):
+            monitoring.register_callback(tool, event, None)
+        monitoring.free_tool_id(tool)
+        self._tool = None
+
+    def _started(self, code: types.CodeType, offset: int) -> Any:
+        if threading.get_ident() != self._thread:
+            return None
+        return None if self.on_start(_running(code)) else sys.monitoring.DISABLE
+
+    def _thrown(self, code: types.CodeType, offset: int, exception: BaseException) -> None:
+        if threading.get_ident() == self._thread:
+            self.on_start(_running(code))
