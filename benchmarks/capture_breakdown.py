@@ -51,10 +51,15 @@ from graphstep.bench.workloads import GPT_CONFIGS, BuildContext, Workload
 from graphstep.demo.gpt import GPT, GPT2_SMALL, make_batches
 from graphstep.demo.train import make_optimizer, make_train_step
 from graphstep.effects import host_random, values
+from graphstep.effects.writes import WriteWatch
 from graphstep.guards import reads, state_guard
 
 CALLS = 6
 """As the bench's `Counts.warmup_calls`."""
+
+CLOCK = [time.perf_counter]
+"""Wall clock on the GPU, as the bench; on the CPU this thread's CPU time (`--clock thread`): the CPU
+machine is shared, and its wall clock swings by half from run to run."""
 
 
 # -- workloads ---------------------------------------------------------------------------------------
@@ -172,7 +177,7 @@ exec(compile(_TIMER, "<string>", "exec"), _namespace)
 
 
 def _timer(original: Callable, seconds: dict[str, float], part: str) -> Callable:
-    return _namespace["timer"](original, seconds, part, time.perf_counter)
+    return _namespace["timer"](original, seconds, part, lambda: CLOCK[0]())
 
 
 @contextlib.contextmanager
@@ -249,11 +254,11 @@ def run_manual(build: Callable, device: torch.device) -> dict[str, float]:
     cuda = device.type == "cuda"
     manual = ManualGraphStep(step) if cuda else step
     _sync(device)
-    start = time.perf_counter()
+    start = CLOCK[0]()
     for i in range(CALLS if cuda else 4):
         manual(*workload.batches[i % len(workload.batches)])
     _sync(device)
-    seconds = time.perf_counter() - start
+    seconds = CLOCK[0]() - start
     if cuda:
         manual.close()
     return {"total": seconds}
@@ -266,18 +271,59 @@ def run_graphstep(build: Callable, device: torch.device, *, left_out: str = "") 
     with timed_parts(device) as parts, without(left_out):
         captured = graphstep.capture(step, model=workload.model, optimizer=workload.optimizer, config=config)
         _sync(device)
-        start = time.perf_counter()
+        start = CLOCK[0]()
         for i in range(CALLS):
             captured(*workload.batches[i % len(workload.batches)])
             if i == 3:
                 _sync(device)
-                through_capture = time.perf_counter() - start
+                through_capture = CLOCK[0]() - start
         _sync(device)
-        seconds = time.perf_counter() - start
+        seconds = CLOCK[0]() - start
     stats = captured.stats
     captured.close()
-    assert stats.captures == 1 and stats.warmup_calls == config.warmup_steps, stats
-    return {"total": seconds, "through capture": through_capture, **parts.seconds}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    calls = {
+        "warm-up calls": stats.warmup_calls,
+        "captures": stats.captures,
+        "eager calls": stats.eager_calls,
+    }
+    if calls != {"warm-up calls": config.warmup_steps, "captures": 1, "eager calls": 0}:
+        print(f"note: {calls} (not 3 warm-ups and one capture): the parts are of those", file=sys.stderr)
+    return {"total": seconds, "through capture": through_capture, **parts.seconds, **calls}
+
+
+_COUNTER = """
+def counter(original, counts, name):
+    def counted(*a, **k):
+        counts[name] = counts.get(name, 0) + 1
+        return original(*a, **k)
+    return counted
+"""
+exec(compile(_COUNTER, "<string>", "exec"), _namespace)
+
+
+def count_hooks(build: Callable, device: torch.device) -> dict[str, int]:
+    """How often the watches' Python hooks run in one graphstep run (warm-ups and capture): what the
+    tracer path changes. Counted in a run of its own (not timed)."""
+    counts: dict[str, int] = {}
+    patched = [  # (owner, its hook's name in this version, or in the version before guards/tracing.py)
+        (WriteWatch, ("frame_kind", "_trace"), "write watch: frames judged"),
+        (WriteWatch, ("opcode",), "write watch: instructions seen"),
+        (reads.ReadWatch, ("_started", "_profile"), "read watch: hook calls"),
+        (host_random.HostRandomWatch, ("_profile",), "host random watch: hook calls"),
+    ]
+    originals = []
+    for owner, names, label in patched:
+        name = next(n for n in names if n in vars(owner))
+        originals.append((owner, name, vars(owner)[name]))
+        setattr(owner, name, _namespace["counter"](vars(owner)[name], counts, label))
+    try:
+        run_graphstep(build, device)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return counts
 
 
 def median_run(run: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
@@ -304,7 +350,11 @@ def measure(name: str, build: Callable, device: torch.device, repeats: int) -> d
         for watch in ("writes", "reads", "host random"):
             rest = median_run(lambda w=watch: run_graphstep(build, device, left_out=w), repeats)
             costs[f"{watch} watch (left out: total saved)"] = full["total"] - rest["total"]
-        row["tracers"][tracer] = {"graphstep": full, "watch costs": costs}
+        row["tracers"][tracer] = {
+            "graphstep": full,
+            "watch costs": costs,
+            "hooks": count_hooks(build, device),
+        }
     os.environ.pop("GRAPHSTEP_TRACER", None)
     return row
 
@@ -314,7 +364,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Time to steady state, broken down: {result['gpu']}, Python {result['python']}, "
         f"torch {result['torch']}, {result['date']} (commit {result['commit']})",
         "",
-        f"Seconds, medians of {result['repeats']}; {CALLS} calls as the bench's `capture_s` (on CPU the "
+        f"Seconds ({result['clock']} clock), medians of {result['repeats']}; {CALLS} calls as the bench's `capture_s` (on CPU the "
         "hand-written row is its 4 eager runs of the step: no graph to replay). Parts are inclusive.",
     ]
     for row in result["rows"]:
@@ -329,6 +379,10 @@ def markdown(result: dict[str, Any]) -> str:
                 value = t["graphstep"].get(key, t["watch costs"].get(key))
                 cells.append("" if value is None else f"{value:.3f}")
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        hooks = list(dict.fromkeys(k for t in row["tracers"].values() for k in t.get("hooks", {})))
+        for key in hooks:
+            cells = [str(t.get("hooks", {}).get(key, "")) for t in row["tracers"].values()]
+            lines.append(f"| {key} (calls) | " + " | ".join(cells) + " |")
         for tracer, t in row["tracers"].items():
             ratio = t["graphstep"]["total"] / row["manual"]["total"]
             lines.append(f"\n{tracer}: graphstep / hand-written = {ratio:.2f}×")
@@ -342,10 +396,15 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="GPT-2 small's depth at a CPU-sized batch")
     parser.add_argument("--only", default="", help="workload names (comma-separated substrings)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--clock", choices=("wall", "thread"), help="default: wall on CUDA, thread on CPU")
     args = parser.parse_args()
+    clock = args.clock or ("wall" if args.device.startswith("cuda") else "thread")
+    CLOCK[0] = time.perf_counter if clock == "wall" else time.thread_time
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # the thread clock counts this thread only
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -367,6 +426,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "commit": commit,
         "repeats": args.repeats,
+        "clock": clock,
         "rows": rows,
     }
     slug = (gpu_slug(torch.cuda.get_device_name(device)) if cuda else "cpu") + "_" + result["date"]

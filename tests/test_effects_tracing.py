@@ -196,3 +196,79 @@ def test_the_tracer_is_chosen_by_graphstep_tracer(monkeypatch):
     monkeypatch.setenv("GRAPHSTEP_TRACER", "ptrace")
     with pytest.raises(ValueError, match="GRAPHSTEP_TRACER='ptrace'"):
         tracing.chosen()
+
+
+def starts_with_setprofile() -> list[str]:
+    """The frames a profile function's "call" event names during w_workload (as the read watch sees)."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and threading.get_ident() == main:
+            seen.append(frame.f_code.co_name)
+
+    main = threading.get_ident()
+    started = w_generator(Box())
+    next(started)
+    sys.setprofile(profile)
+    try:
+        w_workload(Box(), started)
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python >= 3.12")
+def test_starts_sees_the_frames_a_profile_function_sees():
+    seen: list[str] = []
+    starts = tracing.Starts(lambda frame: seen.append(frame.f_code.co_name) or True, lambda f: f)
+    started = w_generator(Box())
+    next(started)
+    assert starts.start()
+    try:
+        w_workload(Box(), started)
+    finally:
+        starts.stop()
+    expected = [name for name in starts_with_setprofile() if name not in ("stop",)]
+    assert [name for name in seen if name != "stop"] == expected
+    assert {"w_workload", "helper", "w_leaf", "w_generator", "w_thrown", "log_it"} <= set(seen)
+    assert all(sys.monitoring.get_tool(tool) is None for tool in tracing._TOOL_IDS)
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python >= 3.12")
+def test_starts_asks_no_more_about_a_code_object_it_declined():
+    seen: list[str] = []
+    starts = tracing.Starts(lambda frame: seen.append(frame.f_code.co_name) or False, lambda f: f)
+    assert starts.start()
+    for _ in range(3):
+        w_leaf(Box())
+    starts.stop()
+    assert seen.count("w_leaf") == 1
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python >= 3.12")
+def test_with_every_free_tool_id_taken_the_legacy_tracer_is_used(monkeypatch):
+    monkeypatch.delenv("GRAPHSTEP_TRACER", raising=False)
+    taken = [tool for tool in tracing._TOOL_IDS if sys.monitoring.get_tool(tool) is None]
+    for tool in taken:
+        sys.monitoring.use_tool_id(tool, "another tool")
+    try:
+        client = Recorder()
+        started = tracing.start(client)
+        assert isinstance(started, tracing.Settrace)
+        w_leaf(Box())
+        started.stop()
+        assert ("end", "w_leaf") in client.events
+        assert not tracing.Starts(lambda frame: True, lambda f: f).start()
+    finally:
+        for tool in taken:
+            sys.monitoring.free_tool_id(tool)
+
+
+def test_start_gives_the_chosen_tracer_started(monkeypatch):
+    monkeypatch.delenv("GRAPHSTEP_TRACER", raising=False)
+    client = Recorder()
+    started = tracing.start(client)
+    assert started.name == tracing.chosen()
+    w_leaf(Box())
+    started.stop()
+    assert ("end", "w_leaf") in client.events
