@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ from graphstep.demo.train import make_optimizer, make_train_step
 from graphstep.effects import host_random, values
 from graphstep.effects.writes import WriteWatch
 from graphstep.guards import reads, state_guard
+
+try:
+    from graphstep.guards import tracing
+except ImportError:  # a graphstep from before guards/tracing.py: its legacy hooks only
+    tracing = None
 
 CALLS = 6
 """As the bench's `Counts.warmup_calls`."""
@@ -334,8 +340,8 @@ def median_run(run: Callable[[], dict[str, float]], repeats: int) -> dict[str, f
     return {key: statistics.median(r.get(key, 0.0) for r in runs) for key in runs[0]}
 
 
-def tracers() -> list[str]:
-    return ["settrace", "monitoring"] if sys.version_info >= (3, 12) else ["settrace"]
+def tracers() -> tuple[str, ...]:
+    return tracing.available() if tracing is not None else ("settrace",)
 
 
 def measure(name: str, build: Callable, device: torch.device, repeats: int) -> dict[str, Any]:
@@ -368,6 +374,9 @@ def markdown(result: dict[str, Any]) -> str:
         "hand-written row is its 4 eager runs of the step: no graph to replay). Parts are inclusive.",
     ]
     for row in result["rows"]:
+        if "error" in row:
+            lines += ["", f"## {row['workload']}", "", f"failed: {row['error']}"]
+            continue
         lines += ["", f"## {row['workload']}", "", f"hand-written graph: {row['manual']['total']:.3f} s", ""]
         names = list(
             dict.fromkeys(k for t in row["tracers"].values() for k in (*t["graphstep"], *t["watch costs"]))
@@ -411,12 +420,6 @@ def main() -> None:
         ).stdout.strip()
     except OSError:
         commit = "?"
-    rows = []
-    for name, build in workloads(args.small or device.type == "cpu").items():
-        if args.only and not any(part in name for part in args.only.split(",")):
-            continue
-        rows.append(measure(name, build, device, args.repeats))
-        print(f"{name}: done", file=sys.stderr, flush=True)
     cuda = device.type == "cuda"
     result = {
         "question": "Where does graphstep's time to steady state go, beyond a hand-written graph's?",
@@ -427,14 +430,25 @@ def main() -> None:
         "commit": commit,
         "repeats": args.repeats,
         "clock": clock,
-        "rows": rows,
+        "rows": [],
     }
     slug = (gpu_slug(torch.cuda.get_device_name(device)) if cuda else "cpu") + "_" + result["date"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{slug}_capture_breakdown.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = markdown(result)
-    (out / f"{slug}_capture_breakdown.md").write_text(text)
+    for name, build in workloads(args.small or not cuda).items():
+        if args.only and not any(part in name for part in args.only.split(",")):
+            continue
+        started = time.perf_counter()
+        try:
+            result["rows"].append(measure(name, build, device, args.repeats))
+        except Exception as e:  # one workload's failure is reported, the others still run
+            traceback.print_exc()
+            result["rows"].append({"workload": name, "error": f"{type(e).__name__}: {e}"})
+        print(f"{name}: done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        # Written after every workload: a run cut short keeps what it measured.
+        (out / f"{slug}_capture_breakdown.json").write_text(json.dumps(result, indent=2) + "\n")
+        text = markdown(result)
+        (out / f"{slug}_capture_breakdown.md").write_text(text)
     print(text)
 
 
