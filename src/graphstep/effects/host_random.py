@@ -223,7 +223,9 @@ class HostRandomWatch:
                     self._note(tracked.label, frame)
             elif _draws(arg.__name__) and _is_torch(arg, owner):
                 self._pending.append((arg, frame, self._torch_marks(frame)))
-        elif self._pending and self._pending[-1][0] is arg:
+        # Equal, not the same: from Python 3.12 a method's c_call and c_return each get a bound
+        # method of their own (a builtin method compares its function and `__self__`).
+        elif self._pending and self._pending[-1][0] == arg:
             _, caller, marks = self._pending.pop()
             for tracked, before in marks:
                 now = tracked.fingerprint()

@@ -47,7 +47,9 @@ class Kind(enum.Enum):
 
 
 class Client(Protocol):
-    def frame_kind(self, frame: types.FrameType) -> Kind: ...
+    def frame_kind(self, frame: types.FrameType) -> Kind:
+        """Asked once per code object per watch (the answer must depend on the code alone)."""
+        ...
 
     def logging_call(self, frame: types.FrameType) -> None: ...
 
@@ -125,6 +127,7 @@ class Settrace:
     def __init__(self, client: Client, wrap: Callable[[Callable], Callable] = lambda f: f):
         self.client, self.wrap = client, wrap
         self._previous: Any = None
+        self._kinds: dict[types.CodeType, Kind] = {}
 
     def start(self) -> bool:
         """False (and nothing installed) when a C-level tracer is active: it cannot be chained."""
@@ -140,7 +143,10 @@ class Settrace:
 
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         inner = self._previous(frame, event, arg) if self._previous is not None else None
-        kind = self.client.frame_kind(frame)
+        code = frame.f_code
+        kind = self._kinds.get(code)
+        if kind is None:  # one question per code object, as `Monitoring` asks
+            kind = self._kinds[code] = self.client.frame_kind(frame)
         if kind is Kind.LOGGING:
             self.client.logging_call(frame)
         if kind is not Kind.TRACE:
