@@ -9,6 +9,7 @@ on an interpreter without torch (the one where `sys.monitoring` exists when the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import threading
@@ -107,6 +108,55 @@ def w_thrown():
         yield 2
 
 
+class w_Guarded:
+    """Python that torch's and libraries' code is full of: properties, `__setattr__`, context
+    managers made from generators, comprehensions, `yield from`, generators closed early."""
+
+    def __init__(self):
+        self.items = {}
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+
+    @property
+    def w_size(self):
+        self.seen = True
+        return len(self.items)
+
+    @contextlib.contextmanager
+    def w_managed(self):
+        self.inside = True
+        try:
+            yield self
+        finally:
+            self.inside = False
+
+
+def w_delegating(box):
+    box.delegated = yield from w_generator(box)
+
+
+def w_python_patterns(box):
+    guarded = w_Guarded()
+    with guarded.w_managed() as inside:
+        inside.items["a"] = 1
+        box.size = inside.w_size
+    box.squares = [i * i for i in range(3)]
+    box.pairs = {i: [j for j in range(i)] for i in range(3)}
+    box.delegated_items = list(w_delegating(box))
+    early = w_generator(box)
+    next(early)
+    early.close()
+    abandoned = w_generator(box)
+    next(abandoned)
+    del abandoned  # closed by the collector while suspended
+    try:
+        w_catches(box)
+        w_raises(box)
+    except KeyError:
+        box.outer_caught = True
+
+
 def w_workload(box, started):
     log_it("hello")
     helper(box)
@@ -117,6 +167,7 @@ def w_workload(box, started):
     thrown = w_thrown()
     next(thrown)
     thrown.throw(ValueError())
+    w_python_patterns(box)
     other = threading.Thread(target=w_leaf, args=(Box(),))  # another thread: not traced
     other.start()
     other.join()
@@ -152,11 +203,16 @@ def test_settrace_follows_the_frames_that_start_during_the_watch():
         "w_raises",
         "w_thrown",
         "w_recursive",
+        "w_python_patterns",
+        "w_size",
+        "w_managed",
+        "w_delegating",
     }
     assert ("log", "w_workload") in events
     assert events.count(("end", "w_leaf")) == 1  # from helper: not the thread's, not after the watch
     # w_generator: 4 ends (3 yields and the return) of the list's, 1 (a yield) of the one resumed in the watch
-    assert events.count(("end", "w_generator")) == 5
+    first = events[: next(i for i, e in enumerate(events) if e[1] == "w_python_patterns")]
+    assert first.count(("end", "w_generator")) == 5
     assert events.count(("end", "w_recursive")) == 3  # depths 1..3; depth 0 began the watch
     assert sys.gettrace() is None
 
