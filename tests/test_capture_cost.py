@@ -11,7 +11,7 @@ import torch
 import graphstep
 from cpu_common import batches, each_tracer, make_training, sgd_step  # noqa: F401  (each tracer)
 from graphstep.effects.writes import WriteWatch
-from graphstep.guards import reads
+from graphstep.guards import reads, tracing
 
 RECORDING = graphstep.Config(backend="recording")
 
@@ -71,6 +71,6 @@ def test_a_capture_leaves_no_hook_behind():
     assert captured.stats.captures == 1
     assert sys.gettrace() is None and sys.getprofile() is None
     if hasattr(sys, "monitoring"):
-        assert all(sys.monitoring.get_tool(tool) is None for tool in (3, 4))
+        assert all(sys.monitoring.get_tool(tool) is None for tool in tracing._TOOL_IDS)
     captured.close()
     assert torch.is_grad_enabled()
