@@ -96,7 +96,8 @@ def _hf_gpt2(small: bool) -> Callable[[BuildContext], Workload]:
         if small:  # its depth, at CPU size (as _small_gpt2)
             cfg.vocab_size, cfg.n_embd, cfg.n_positions = 8192, 192, 64
         torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(cfg).to(ctx.device)
+        with ctx.device:
+            model = transformers.GPT2LMHeadModel(cfg)
         model.config.use_cache = False
         opt = (
             make_optimizer(model, ctx.device)
@@ -317,11 +318,13 @@ def count_hooks(build: Callable, device: torch.device) -> dict[str, int]:
         (WriteWatch, ("frame_kind", "_trace"), "write watch: frames judged"),
         (WriteWatch, ("opcode",), "write watch: instructions seen"),
         (reads.ReadWatch, ("_started", "_profile"), "read watch: hook calls"),
-        (host_random.HostRandomWatch, ("_profile",), "host random watch: hook calls"),
+        (host_random.HostRandomWatch, ("_profile",), "host random watch: profile function calls"),
     ]
     originals = []
     for owner, names, label in patched:
-        name = next(n for n in names if n in vars(owner))
+        name = next((n for n in names if n in vars(owner)), None)
+        if name is None:  # (a version without it)
+            continue
         originals.append((owner, name, vars(owner)[name]))
         setattr(owner, name, _namespace["counter"](vars(owner)[name], counts, label))
     try:

@@ -7,8 +7,7 @@ the generator stops advancing. CUDA generators are fine: a graph advances them o
 `HostRandomWatch` watches the capturing call:
 
 - Python's `random` (any `random.Random`): its C methods, seen by a profile function
-  (`sys.setprofile`, chained to the one installed before and restored after; from Python 3.12
-  `sys.monitoring`'s C calls, guards/tracing.py's `CCalls`), with the caller;
+  (`sys.setprofile`, chained to the one installed before and restored after), with the caller;
 - NumPy's global generator: its module functions (`np.random.beta`, ...) are wrapped for the
   capture, since a profiler does not see Cython methods;
 - torch generators: around each call of a torch function whose name says it draws (`rand`,
@@ -45,7 +44,6 @@ from torch.utils._pytree import tree_flatten
 from ..backends.segments import Splitter
 from ..diagnostics import host_sync_ops, log
 from ..errors import HostRandomError
-from ..guards import tracing
 from ..guards.compiling import unseen
 from ..guards.reads import is_user_file
 from ..state import op_tensors
@@ -109,7 +107,6 @@ class HostRandomWatch:
         self._previous: Any = None
         self._chain: Callable | None = None
         self._profiling = False
-        self._calls: tracing.CCalls | None = None
         self._patched: list[tuple[dict, str, Any]] = []
         self._coins: _CoinWatch | None = None
 
@@ -125,14 +122,10 @@ class HostRandomWatch:
             self._track(obj, _kind(obj, where))
         self._previous = sys.getprofile()
         if self._previous is None or callable(self._previous):  # a C profiler (cProfile) is left alone
-            # Hooks called inside compiled models too: not to be compiled. From Python 3.12 the C calls
-            # alone come from sys.monitoring (guards/tracing.py); the profile function stays as it is.
-            if tracing.chosen() == "monitoring":
-                self._calls = tracing.CCalls(self._c_event, unseen)
-                self._calls = self._calls if self._calls.start() else None
-            if self._calls is None:
-                self._chain = self._previous
-                sys.setprofile(unseen(self._profile))
+            # (A profile function, on Python 3.12 too: sys.monitoring's CALL events reach Python for
+            # every call, Python functions' included, at no less cost; benchmarks/tracer_cost.py.)
+            self._chain = self._previous
+            sys.setprofile(unseen(self._profile))  # called inside compiled models too: not to be compiled
             self._profiling = True
         if numpy is not None:
             self._wrap_numpy(numpy)
@@ -149,11 +142,7 @@ class HostRandomWatch:
         self._patched.clear()
         self._pending.clear()
         if self._profiling:
-            if self._calls is not None:
-                self._calls.stop()
-                self._calls = None
-            else:
-                sys.setprofile(self._previous)
+            sys.setprofile(self._previous)
             self._profiling = False
         self._compare_all()
         failed = exc_type is not None or (self.refuse and self.draws)
@@ -226,11 +215,7 @@ class HostRandomWatch:
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if self._chain is not None:
             self._chain(frame, event, arg)
-        if event[0] == "c":  # c_call, c_return, c_exception
-            self._c_event(frame, event, arg)
-
-    def _c_event(self, frame: types.FrameType, event: str, arg: Any) -> None:
-        if self._paused:
+        if self._paused or event[0] != "c":  # c_call, c_return, c_exception
             return
         if event == "c_call":
             owner = getattr(arg, "__self__", None)

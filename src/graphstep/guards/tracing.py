@@ -172,10 +172,9 @@ def _ask_for_opcode_events() -> None:
 
 # -- sys.monitoring (Python >= 3.12) -----------------------------------------------------------------
 
-_TOOL_IDS = (4, 3, 5)
-"""Tool ids no standard tool claims (0 debugger, 1 coverage, 2 profiler), and 5 ("optimizer", which
-no tool of CPython 3.12 or 3.13 takes) last: a capture holds three at once (reads, host random
-draws, writes; the first to enter takes the first free)."""
+_TOOL_IDS = (4, 3)
+"""Tool ids no standard tool claims (0 debugger, 1 coverage, 2 profiler, 5 optimizer); a capture
+holds both (reads, then writes)."""
 
 
 class Monitoring:
@@ -350,78 +349,3 @@ class Starts:
     def _thrown(self, code: types.CodeType, offset: int, exception: BaseException) -> None:
         if threading.get_ident() == self._thread:
             self.on_start(_running(code))
-
-
-# -- calls of C functions: the host random watch's only need ---------------------------------------
-
-
-class CCalls:
-    """`on_event(frame, event, function)` for each call of a C function on this thread while on, as a
-    profile function gets them ("c_call", "c_return", "c_exception", with the calling frame and the
-    function; a method of a C type bound to its object, as 3.12's `sys.setprofile` binds it), from
-    `sys.monitoring`'s CALL, C_RETURN and C_RAISE: no event per Python function's start and return,
-    and no frame object made for an event that is not a C call. Python >= 3.12 (`effects/host_random.py`
-    keeps `sys.setprofile` before, or when `GRAPHSTEP_TRACER=settrace`)."""
-
-    def __init__(
-        self, on_event: Callable[[types.FrameType, str, Any], None], wrap: Callable[[Callable], Callable]
-    ):
-        self.on_event, self.wrap = on_event, wrap
-        self._tool: int | None = None
-        self._thread = 0
-
-    def _hooks(self) -> tuple[tuple[int, Callable], ...]:
-        events = sys.monitoring.events
-        return (
-            (events.CALL, self._call),
-            (events.C_RETURN, self._returned),
-            (events.C_RAISE, self._raised),
-        )
-
-    def start(self) -> bool:
-        """False when no tool id is free: nothing installed."""
-        monitoring = sys.monitoring
-        free = [tool for tool in _TOOL_IDS if monitoring.get_tool(tool) is None]
-        if not free:
-            return False
-        self._tool = tool = free[0]
-        self._thread = threading.get_ident()
-        monitoring.use_tool_id(tool, "graphstep host random watch")
-        for event, hook in self._hooks():
-            monitoring.register_callback(tool, event, self.wrap(hook))
-        events = monitoring.events
-        monitoring.set_events(tool, events.CALL | events.C_RETURN | events.C_RAISE)
-        return True
-
-    def stop(self) -> None:
-        monitoring, tool = sys.monitoring, self._tool
-        if tool is None:
-            return
-        monitoring.set_events(tool, 0)
-        for event, _ in self._hooks():
-            monitoring.register_callback(tool, event, None)
-        monitoring.free_tool_id(tool)
-        self._tool = None
-
-    def _event(self, code: types.CodeType, event: str, function: Any, first: Any) -> None:
-        if threading.get_ident() != self._thread:
-            return
-        # What Python/legacy_tracing.c hands a profile function: a C function as it is; a C type's
-        # method (called as `obj.method(...)`) bound to its object; nothing for any other callable.
-        if not isinstance(function, types.BuiltinFunctionType):
-            if type(function) is not types.MethodDescriptorType or first is sys.monitoring.MISSING:
-                return
-            function = function.__get__(first, type(first))
-        frame = sys._getframe(2)
-        while frame.f_code is not code:  # (wrapped hooks: their own frames between)
-            frame = frame.f_back
-        self.on_event(frame, event, function)
-
-    def _call(self, code: types.CodeType, offset: int, function: Any, first: Any) -> None:
-        self._event(code, "c_call", function, first)
-
-    def _returned(self, code: types.CodeType, offset: int, function: Any, first: Any) -> None:
-        self._event(code, "c_return", function, first)
-
-    def _raised(self, code: types.CodeType, offset: int, function: Any, first: Any) -> None:
-        self._event(code, "c_exception", function, first)
