@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
 
+import pytest
 import torch
+
+from graphstep.guards import tracing
 
 
 class TinyNet(torch.nn.Module):
@@ -67,3 +71,18 @@ def batches(n: int, batch_size: int = 4, seed: int = 1) -> list[tuple[torch.Tens
 
 def same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.fixture(scope="module", autouse=True, params=tracing.available())
+def each_tracer(request):
+    """The watches' tracer (guards/tracing.py), each one this Python offers: `sys.settrace` and
+    `sys.setprofile`, and on Python >= 3.12 `sys.monitoring` too. Imported by the test files of the
+    watches (writes, reads, host draws) to run them under each; module-scoped (hypothesis refuses
+    function-scoped fixtures)."""
+    before = os.environ.get("GRAPHSTEP_TRACER")
+    os.environ["GRAPHSTEP_TRACER"] = request.param
+    yield request.param
+    if before is None:
+        del os.environ["GRAPHSTEP_TRACER"]
+    else:
+        os.environ["GRAPHSTEP_TRACER"] = before

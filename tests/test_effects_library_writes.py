@@ -17,7 +17,11 @@ import pytest
 import torch
 
 import graphstep
-from cpu_common import TinyNet, batches
+from cpu_common import (
+    TinyNet,
+    batches,
+    each_tracer,  # noqa: F401  (each test under each tracer this Python has)
+)
 from graphstep.effects import trusted
 from graphstep.errors import PythonWriteError
 from graphstep.guards.user_code import is_user_file

@@ -23,7 +23,12 @@ import pytest
 import torch
 
 import graphstep
-from cpu_common import TinyNet, batches, same_params
+from cpu_common import (
+    TinyNet,
+    batches,
+    each_tracer,  # noqa: F401  (each test under each tracer this Python has)
+    same_params,
+)
 from graphstep.errors import CaptureError, PythonWriteError
 
 STEPS = 30

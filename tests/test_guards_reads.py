@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 
 import graphstep
 import helpers_reads
-from cpu_common import TinyNet, batches, same_params
+from cpu_common import (
+    TinyNet,
+    batches,
+    each_tracer,  # noqa: F401  (each test under each tracer this Python has)
+    same_params,
+)
 from graphstep.guards.change import Change
 from graphstep.guards.optimizer import hyperparameters
 from graphstep.guards.reads import Reads, ReadWatch

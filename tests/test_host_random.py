@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import graphstep
+from cpu_common import each_tracer  # noqa: F401  (each test under each tracer this Python has)
 from graphstep.effects.host_random import HostRandomWatch
 from graphstep.errors import HostRandomError
 
@@ -287,6 +288,27 @@ def test_a_cpu_generator_passed_in_is_refused_with_its_line_and_put_back():
     assert "a CPU torch.Generator (passed in as an argument) at" in message
     assert "noise = torch.randn(x.shape, generator=g)" in message
     assert torch.equal(g.get_state(), g_state)
+
+
+def test_a_tensor_methods_draw_and_a_later_functions_draw_are_each_refused_with_their_lines():
+    """A method's c_call and c_return come with two bound-method objects on Python >= 3.12 (equal,
+    not the same): matched by equality, the method's draw is named, and the draws after it too."""
+    (model, opt), _ = twins()
+    g = torch.Generator().manual_seed(11)
+
+    def step(x, y):
+        noise = torch.empty(x.shape).normal_(generator=g)
+        scale = torch.rand((), generator=g)
+        return train(model, opt, x + scale * noise, y)
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=RECORDING)
+    for x, y in data(3):
+        captured(x, y)
+    with pytest.raises(HostRandomError) as info:
+        captured(*data(4)[3])
+    message = str(info.value)
+    assert "noise = torch.empty(x.shape).normal_(generator=g)" in message, message
+    assert "scale = torch.rand((), generator=g)" in message, message
 
 
 def test_noise_drawn_from_the_device_generator_equals_eager():

@@ -123,7 +123,10 @@ def capture_variant(
             ),
             python,
         ):
-            outputs = ctx.fn(*a, **k)
+            # Called from a local: the read watch finds the step function (and its closure's cells)
+            # in its caller's names, not by a pass over the heap (guards/reads.py, _caller_function).
+            step = ctx.fn
+            outputs = step(*a, **k)
             # Inside the capture, so that a refused output also undoes what the step did.
             captured["spec"], captured["tensors"] = sig.replayable_outputs(
                 outputs, ctx.name, device_only=isinstance(backend, CudaGraphBackend)

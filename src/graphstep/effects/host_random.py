@@ -122,6 +122,8 @@ class HostRandomWatch:
             self._track(obj, _kind(obj, where))
         self._previous = sys.getprofile()
         if self._previous is None or callable(self._previous):  # a C profiler (cProfile) is left alone
+            # (A profile function, on Python 3.12 too: sys.monitoring's CALL events reach Python for
+            # every call, Python functions' included, at no less cost; benchmarks/tracer_cost.py.)
             self._chain = self._previous
             sys.setprofile(unseen(self._profile))  # called inside compiled models too: not to be compiled
             self._profiling = True
@@ -223,7 +225,9 @@ class HostRandomWatch:
                     self._note(tracked.label, frame)
             elif _draws(arg.__name__) and _is_torch(arg, owner):
                 self._pending.append((arg, frame, self._torch_marks(frame)))
-        elif self._pending and self._pending[-1][0] is arg:
+        # Equal, not the same: from Python 3.12 a method's c_call and c_return each get a bound
+        # method of their own (a builtin method compares its function and `__self__`).
+        elif self._pending and self._pending[-1][0] == arg:
             _, caller, marks = self._pending.pop()
             for tracked, before in marks:
                 now = tracked.fingerprint()

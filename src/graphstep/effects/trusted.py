@@ -378,9 +378,9 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     Trusted(
         "graphstep.optim.python_state",
-        ("_collect", "_memory", "StepObserver"),
-        "the optimizer watch's walk over an optimizer's Python values, writing only what it builds: "
-        "trusted for the capture's cost (it visits every parameter's state)",
+        ("_collect", "_memory", "StepObserver", "grad_references", "changes"),
+        "the optimizer watch's walk over an optimizer's Python values and its comparison of them, "
+        "writing only what it builds: trusted for the capture's cost (it visits every parameter's state)",
         "tests/test_optim_python_state.py::test_a_python_value_first_changed_at_capture_moves_the_step_to_a_segment",
     ),
     Trusted(

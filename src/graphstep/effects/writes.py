@@ -18,12 +18,14 @@ writes to objects the step creates, whatever an eager segment does (it runs on e
 the interpreter runs on its own in the middle of the step (a gc callback, a finalizer). A write of the value already there
 (`self.flag = True` when it was True, an equal number) changes nothing.
 
-How: an opcode tracer (`sys.settrace`) on judged frames that contain stores or calls of containers'
-mutating methods (`append`, `update`, ...); the target of each comes from the bytecode (`targets.py`)
-and is compared before and after the instruction. It chains to the tracer installed before (local
-tracers included) and puts it back after; no profile function is installed, so trusted code pays one
-trace call per Python frame it enters and nothing per C call. What existed before is a census of the
-collector's objects taken when the watch starts (tensors left out).
+How: an opcode tracer (`guards/tracing.py`: `sys.settrace`, or on Python >= 3.12 `sys.monitoring` with
+instruction events on those code objects only) on judged frames that contain stores or calls of
+containers' mutating methods (`append`, `update`, ...); the target of each comes from the bytecode
+(`targets.py`) and is compared before and after the instruction. `sys.settrace` chains to the tracer
+installed before (local tracers included) and puts it back after; no profile function is installed,
+so trusted code pays one trace call per Python frame it enters (with `sys.monitoring`, one event per
+code object) and nothing per C call. What existed before is a census of the collector's objects taken
+when the watch starts (tensors left out).
 
 Limits: user Python that autograd runs on its own threads (a custom backward on CUDA) is not watched;
 writes through `setattr()`, `object.__setattr__`, `vars(obj)[...]`, a C function handed a container
@@ -51,6 +53,7 @@ import torch
 
 from ..backends import segments
 from ..errors import PythonWriteError
+from ..guards import tracing
 from ..guards.compiling import unseen
 from . import targets, trusted, values
 from .library_writes import LibraryWrites
@@ -99,25 +102,6 @@ class _Pending:
     """The store's line (the frame may be on the next one when the store is judged)."""
 
 
-class _Local:
-    """The local trace function of one user frame: the watch's, then the one installed before."""
-
-    __slots__ = ("hidden", "inner", "inner_opcodes", "watch")
-
-    def __init__(self, watch: WriteWatch, inner: Callable | None, inner_opcodes: bool):
-        self.watch, self.inner, self.inner_opcodes = watch, inner, inner_opcodes
-        self.hidden = unseen(self)  # what the frame calls: inside a compiled model, not to be compiled
-
-    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> Callable:
-        if self.inner is not None and (event != "opcode" or self.inner_opcodes):
-            self.inner = self.inner(frame, event, arg)
-        if event == "opcode":
-            self.watch.opcode(frame)
-        elif event in ("return", "exception"):
-            self.watch.finish(frame)
-        return self.hidden
-
-
 class WriteWatch:
     """Watches one capturing run of the step: `with watch: step(...)`.
 
@@ -146,7 +130,7 @@ class WriteWatch:
         self._code = trusted.CodeKinds()
         self._library = LibraryWrites()
         self._pending: dict[types.FrameType, _Pending] = {}
-        self._previous_trace: Any = None
+        self._tracer: tracing.Settrace | tracing.Monitoring | None = None
         self._redone: set[tuple[int, str | None]] = set()
         """(id of the object, attribute name or None for its contents) of places an integration sets
         again on every replay."""
@@ -157,14 +141,9 @@ class WriteWatch:
         if not self.enabled or self._used:
             return self
         self._used = True
-        self._previous_trace, profile = sys.gettrace(), sys.getprofile()
-        if self._previous_trace is not None and not callable(self._previous_trace):
-            log.warning(
-                "graphstep: a C-level tracer is active, so %s's capture cannot watch its writes to "
-                "Python state (nothing is refused this time).",
-                self.step_name,
-            )
-            return self
+        previous, profile = sys.gettrace(), sys.getprofile()
+        if previous is not None and not callable(previous) and tracing.chosen() == "settrace":
+            return _unwatched(self, "a C-level tracer is active")
         if profile is None or callable(profile):  # a Python profiler would see every call the census makes
             sys.setprofile(None)
         try:
@@ -174,16 +153,20 @@ class WriteWatch:
         finally:
             if profile is None or callable(profile):
                 sys.setprofile(profile)
+        self._tracer = tracing.start(self, wrap=unseen)  # (hooks run in compiled models: not compiled)
+        if self._tracer is None:
+            self._census.drop()
+            return _unwatched(
+                self, "other tools hold sys.monitoring's free tool ids, and a C-level tracer is active"
+            )
         self._active = True
         _watching.append(self)
-        _ask_for_opcode_events()
-        sys.settrace(unseen(self._trace))  # called inside compiled models too: not to be compiled
         return self
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
         if not self._active:
             return
-        sys.settrace(self._previous_trace)
+        self._tracer.stop()
         self._active = False
         _watching.remove(self)
         for frame in list(self._pending):
@@ -228,22 +211,21 @@ class WriteWatch:
 
     # -- the hooks ------------------------------------------------------------------------------
 
-    def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        inner = self._previous_trace(frame, event, arg) if self._previous_trace is not None else None
+    def frame_kind(self, frame: types.FrameType) -> tracing.Kind:
+        """Whether the tracer follows a frame that starts: judged code that can write (stores, or
+        calls of containers' mutating methods) instruction by instruction; a `logging` call, to see
+        who called it; anything else not at all."""
         code = frame.f_code
         if code.co_filename == _LOGGING_FILE:
-            caller = frame.f_back
-            if code.co_name in _LOGGING_CALLS and caller is not None and self._code.is_user(caller.f_code):
-                self._note_print(caller)
-            return inner
+            return tracing.Kind.LOGGING if code.co_name in _LOGGING_CALLS else tracing.Kind.SKIP
         if not self._code.is_judged(frame) or not targets.stores(code):
-            return inner
-        inner_opcodes = inner is not None and frame.f_trace_opcodes
-        local = _Local(self, inner, inner_opcodes).hidden
-        # f_trace first: Python 3.12 turns opcode events on only for a frame that has its tracer.
-        frame.f_trace = local
-        frame.f_trace_opcodes = True
-        return local
+            return tracing.Kind.SKIP
+        return tracing.Kind.TRACE
+
+    def logging_call(self, frame: types.FrameType) -> None:
+        caller = frame.f_back
+        if caller is not None and self._code.is_user(caller.f_code):
+            self._note_print(caller)
 
     def _note_print(self, frame: types.FrameType) -> None:
         where = site(frame)
@@ -252,11 +234,12 @@ class WriteWatch:
 
     # -- stores ---------------------------------------------------------------------------------
 
-    def opcode(self, frame: types.FrameType) -> None:
+    def opcode(self, frame: types.FrameType, offset: int) -> None:
+        """Before the instruction at `offset` of `frame`: the store before it has run."""
         pending = self._pending.pop(frame, None)
         if pending is not None:
             self._complete(pending, frame)
-        store = targets.stores(frame.f_code).get(frame.f_lasti)
+        store = targets.stores(frame.f_code).get(offset)
         if store is not None:
             self._begin(frame, store)
 
@@ -370,6 +353,16 @@ class WriteWatch:
         self.writes.append(Write(self._where(frame, line), what, undo, attribute))
 
 
+def _unwatched(watch: WriteWatch, why: str) -> WriteWatch:
+    log.warning(
+        "graphstep: %s, so %s's capture cannot watch its writes to Python state (nothing is refused "
+        "this time).",
+        why,
+        watch.step_name,
+    )
+    return watch
+
+
 _watching: list[WriteWatch] = []
 """The watches of the captures running now, innermost last."""
 
@@ -380,17 +373,6 @@ def redone_on_replays(obj: Any, name: str | None = None) -> None:
     `engine.step()`'s segment): the capture running now does not refuse its Python's writes to it."""
     if _watching:
         _watching[-1]._redone.add((id(obj), name))
-
-
-def _ask_for_opcode_events() -> None:
-    """Python 3.12 turns opcode events on when a tracer is installed only if some frame of the
-    process asked for them before (a flag that stays set): ask once, so that the first capture of a
-    process is watched too."""
-    here = sys._getframe()
-    asked = here.f_trace_opcodes
-    here.f_trace_opcodes = True
-    here.f_trace_opcodes = asked
-    del here  # a frame holding itself is a cycle: its callers' locals would live until a collection
 
 
 def _refused(step_name: str, writes: list[Write]) -> PythonWriteError:

@@ -3,7 +3,8 @@
 A graph replays kernels; the Python that chose them and the numbers it passed do not run
 again. A module-level `TEMPERATURE` read by a loss helper the step calls is baked into the
 graph as surely as the step's own globals. `ReadWatch` watches one run of the step (a
-warm-up, or the capture itself) with `sys.setprofile` and notes, for every *user* function
+warm-up, or the capture itself) with `sys.setprofile` (on Python >= 3.12 `sys.monitoring`'s
+function starts instead, tracing.py's `Starts`) and notes, for every *user* function
 that ran (not torch's, not an installed package's, not the standard library's, not graphstep's
 own; graphstep's demo counts as user code), the globals its bytecode loads and its closure
 cells, the attribute names it loads, the containers held by `self.x`-style attributes, and the
@@ -42,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from . import barriers, contents
+from . import barriers, contents, tracing
 from .barriers import MISSING, cell_value
 from .compiling import unseen
 from .user_code import is_user_file
@@ -251,6 +252,7 @@ class ReadWatch:
         self._module_writes: set[tuple[int, str]] = set()
         self._previous: Any = None
         self._chain: Callable | None = None
+        self._starts: tracing.Starts | None = None
 
     def __enter__(self) -> ReadWatch:
         self._previous = sys.getprofile()
@@ -266,13 +268,22 @@ class ReadWatch:
         for _, value in self.reads.arguments:
             contents.snapshot(value, self.reads.before)
         barriers.add_listener(self._on_write)
-        sys.setprofile(unseen(self._profile))  # called inside compiled models too: not to be compiled
+        # Hooks called inside compiled models too: not to be compiled.
+        if tracing.chosen() == "monitoring":
+            self._starts = tracing.Starts(self._started, unseen)
+            if not self._starts.start():  # every tool id taken: the profile function instead
+                self._starts = None
+        if self._starts is None:
+            sys.setprofile(unseen(self._profile))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if not self.reads.complete:
             return
-        sys.setprofile(self._previous)
+        if self._starts is not None:
+            self._starts.stop()
+        else:
+            sys.setprofile(self._previous)
         barriers.remove_listener(self._on_write)
         if exc[0] is None:
             self._finish()
@@ -283,8 +294,12 @@ class ReadWatch:
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if self._chain is not None:
             self._chain(frame, event, arg)
-        if event != "call":
-            return
+        if event == "call":
+            self._started(frame)
+
+    def _started(self, frame: types.FrameType) -> bool:
+        """A frame starts (or resumes). False: its code object needs no more looks in this watch (not
+        the user's, or the user's without closure variables, whose first look is all)."""
         code = frame.f_code
         user = self._codes.get(code)
         if user is None:
@@ -299,6 +314,7 @@ class ReadWatch:
                 found = _caller_function(frame, code, values)
                 if found is not None:
                     self._found.setdefault(code, []).append(found)
+        return user and code in self._closures
 
     def _first_call(self, frame: types.FrameType, code: types.CodeType) -> None:
         facts = _facts(code)
