@@ -142,6 +142,13 @@ def test_torch_lazy_operator_caches_fill_once_and_train_like_eager():
             # A namespace torch.ops has not made yet, on every call (its name counts those made): made
             # and cached at capture too, as `torch.ops.c10d` is at a first collective under a capture.
             getattr(torch.ops, f"graphstep_test_namespace_{len(torch.ops._dir)}")
+            # An overload not looked up yet, on every call where torch makes them lazily (2.11 does, and
+            # a capture on the GPU machine reached one first: `OpOverloadPacket.__getattr__` caching it
+            # was refused; 2.13 makes every overload with its operator, and there is none to look up).
+            packet = torch.ops.aten.ne
+            fresh = next((o for o in packet.overloads() if o not in vars(packet)), None)
+            if fresh is not None:
+                getattr(packet, fresh)
             return torch.ops.aten.hardtanh(super().forward(x), -0.5, 0.5)
 
     equal(Ops, mse_step)

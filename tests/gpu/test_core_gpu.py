@@ -21,6 +21,7 @@ from gpu_common import (
 
 import graphstep
 from graphstep.errors import HostSyncError
+from graphstep.guards import fastcheck
 
 pytestmark = needs_cuda
 
@@ -86,6 +87,8 @@ def test_output_modes(mode):
 def test_results_let_go_at_once_come_from_the_output_ring_without_copies():
     """The loop that never waits for the GPU: each loss summed on the device and dropped. The
     graph writes its loss into two alternating slots; nothing is copied, and every sum is eager's."""
+    if getattr(fastcheck.helper(), "OutputRing", None) is None:
+        pytest.skip("the output ring is the C++ guard helper's (graphstep imported without it built)")
     (m_e, o_e), (m_g, o_g) = gpt_pair()
     data = batches(12)
     with deterministic():

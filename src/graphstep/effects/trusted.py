@@ -56,9 +56,10 @@ TRUSTED: tuple[Trusted, ...] = (
     ),
     Trusted(
         "torch._ops",
-        ("_OpNamespace.__getattr__", "_Ops.__getattr__"),
-        "torch.ops caches a namespace, and a namespace an operator, the first time it is looked up "
-        "(`torch.ops.c10d`, `torch.ops.aten.foo`): the same object on every later call",
+        ("_OpNamespace.__getattr__", "_Ops.__getattr__", "OpOverloadPacket.__getattr__"),
+        "torch.ops caches a namespace, a namespace an operator and an operator an overload, the first "
+        "time it is looked up (`torch.ops.c10d`, `torch.ops.aten.foo`, `torch.ops.aten.foo.Scalar`): the "
+        "same object on every later call",
         _T + "test_torch_lazy_operator_caches_fill_once_and_train_like_eager",
     ),
     Trusted(
