@@ -27,6 +27,9 @@ RECORDING = graphstep.Config(backend="recording", warmup_steps=2, graph_breaks="
 TESTS = Path(__file__).parent
 
 
+OLDER_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
 def test_every_entry_names_functions_that_exist_and_a_test_that_exists():
     for e in trusted.TRUSTED:
         path, _, name = e.test.partition("::")
@@ -39,6 +42,8 @@ def test_every_entry_names_functions_that_exist_and_a_test_that_exists():
             obj = module
             for part in qualname.split("."):
                 obj = getattr(obj, part, None)
+            if obj is None and e.module.startswith("torch") and OLDER_TORCH:
+                continue  # a function of a newer torch (`_maybe_cupti_monitor`): CI's torch 2.13 checks it
             assert obj is not None, f"{e.module}.{qualname} does not exist"
 
 
