@@ -21,9 +21,9 @@ graphs are dropped and it warms up and is captured again, the reduction covering
 Read from TE 2.20's source and checked on an H100 (benchmarks/te_probe.py, tests/gpu/test_transformer_engine_gpu.py):
 everything else TE's Python does in such a step leaves no trace between calls (the autocast's state is saved
 and put back, the modules' flags are written with the values they hold), and the updates themselves are GPU
-work, in the graph. Not handled: TE's debug tools (`nvdlfw_inspect`, per-iteration Python state), and
-`te.distributed.checkpoint` without a graph-safe RNG tracker (it reads the CUDA generator's state, which a
-capture forbids): pass `get_rng_state_tracker=` a `CudaRNGStatesTracker` and its generators as `generators=`.
+work, in the graph. Not covered: TE's debug tools (`nvdlfw_inspect`, per-iteration Python state), and dropout
+inside `te.distributed.checkpoint` (recompute was checked with and without an RNG tracker, on layers without
+dropout).
 """
 
 from __future__ import annotations
