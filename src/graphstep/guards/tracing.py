@@ -177,6 +177,16 @@ _TOOL_IDS = (4, 3)
 holds both (reads, then writes)."""
 
 
+def _claim_tool(name: str) -> int | None:
+    """The first of graphstep's `sys.monitoring` tool ids no tool holds, now held as `name`; None when
+    other tools hold them all."""
+    monitoring = sys.monitoring
+    tool = next((t for t in _TOOL_IDS if monitoring.get_tool(t) is None), None)
+    if tool is not None:
+        monitoring.use_tool_id(tool, name)
+    return tool
+
+
 class Monitoring:
     """PEP 669 events on the code objects the client traces only (see the module's docstring)."""
 
@@ -195,12 +205,10 @@ class Monitoring:
     def start(self) -> bool:
         """False when no tool id is free (another tool holds them): nothing installed."""
         monitoring = sys.monitoring
-        free = [tool for tool in _TOOL_IDS if monitoring.get_tool(tool) is None]
-        if not free:
+        self._tool = tool = _claim_tool("graphstep write watch")
+        if tool is None:
             return False
-        self._tool = tool = free[0]
         self._thread = threading.get_ident()
-        monitoring.use_tool_id(tool, "graphstep write watch")
         events = monitoring.events
         for event, hook in self._hooks():
             monitoring.register_callback(tool, event, self.wrap(hook))
@@ -316,12 +324,10 @@ class Starts:
     def start(self) -> bool:
         """False when no tool id is free: nothing installed."""
         monitoring = sys.monitoring
-        free = [tool for tool in _TOOL_IDS if monitoring.get_tool(tool) is None]
-        if not free:
+        self._tool = tool = _claim_tool("graphstep read watch")
+        if tool is None:
             return False
-        self._tool = tool = free[0]
         self._thread = threading.get_ident()
-        monitoring.use_tool_id(tool, "graphstep read watch")
         events = monitoring.events
         monitoring.register_callback(tool, events.PY_START, self.wrap(self._started))
         monitoring.register_callback(tool, events.PY_RESUME, self.wrap(self._started))
