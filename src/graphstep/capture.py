@@ -240,9 +240,8 @@ class CapturedStep:
         return life.call(leaves, args, kwargs)
 
     def _library_state_changed(self) -> None:
-        """Transformer Engine's FP8 amax buffers changed between calls (a module joined them, or TE's
-        state was reset): each graph's reduction covers the modules registered at its capture, where
-        eager's covers every one registered (`integrations/transformer_engine.py`). Capture again."""
+        """TE's FP8 amax buffers changed between calls (a module joined, or a reset): a graph's reduction
+        covers the modules registered at its capture (`integrations/transformer_engine.py`). Capture again."""
         if self._lives:
             log.info(
                 "%s: Transformer Engine's FP8 amax buffers changed since the last call (a module was added to "
