@@ -177,14 +177,30 @@ _TOOL_IDS = (4, 3)
 holds both (reads, then writes)."""
 
 
-def _claim_tool(name: str) -> int | None:
-    """The first of graphstep's `sys.monitoring` tool ids no tool holds, now held as `name`; None when
-    other tools hold them all."""
+def _install(name: str, hooks: tuple[tuple[int, Callable], ...], events: int) -> int | None:
+    """Hold the first of graphstep's `sys.monitoring` tool ids no tool holds, as `name`, with `hooks`
+    registered and `events` on everywhere; None (nothing installed) when other tools hold them all."""
     monitoring = sys.monitoring
     tool = next((t for t in _TOOL_IDS if monitoring.get_tool(t) is None), None)
-    if tool is not None:
-        monitoring.use_tool_id(tool, name)
+    if tool is None:
+        return None
+    monitoring.use_tool_id(tool, name)
+    for event, hook in hooks:
+        monitoring.register_callback(tool, event, hook)
+    # A DISABLE returned in an earlier watch stays until restart_events: start afresh, or a code object
+    # judged then would not be seen now.
+    monitoring.restart_events()
+    monitoring.set_events(tool, events)
     return tool
+
+
+def _uninstall(tool: int, hooks: tuple[tuple[int, Callable], ...]) -> None:
+    """Undo `_install(..., hooks, ...)` once the caller turned `tool`'s events off (before calling any
+    Python function, this one included: its start would be seen)."""
+    monitoring = sys.monitoring
+    for event, _ in hooks:
+        monitoring.register_callback(tool, event, None)
+    monitoring.free_tool_id(tool)
 
 
 class Monitoring:
@@ -195,6 +211,9 @@ class Monitoring:
     def __init__(self, client: Client, wrap: Callable[[Callable], Callable] = lambda f: f):
         self.client, self.wrap = client, wrap
         self._tool: int | None = None
+        self._installed: tuple[
+            tuple[int, Callable], ...
+        ] = ()  # the hooks registered, as `_install` took them
         self._thread = 0
         self._kinds: dict[types.CodeType, Kind] = {}
         self._frames: dict[types.FrameType, None] = {}
@@ -204,20 +223,12 @@ class Monitoring:
 
     def start(self) -> bool:
         """False when no tool id is free (another tool holds them): nothing installed."""
-        monitoring = sys.monitoring
-        self._tool = tool = _claim_tool("graphstep write watch")
-        if tool is None:
-            return False
-        self._thread = threading.get_ident()
-        events = monitoring.events
-        for event, hook in self._hooks():
-            monitoring.register_callback(tool, event, self.wrap(hook))
-        # A DISABLE returned in an earlier watch stays until restart_events: start afresh, or a code
-        # object judged then would not be seen now.
-        monitoring.restart_events()
+        events = sys.monitoring.events
         everywhere = events.PY_START | events.PY_RESUME | events.PY_THROW | events.PY_UNWIND | events.RAISE
-        monitoring.set_events(tool, everywhere)
-        return True
+        self._installed = tuple((event, self.wrap(hook)) for event, hook in self._hooks())
+        self._thread = threading.get_ident()
+        self._tool = _install("graphstep write watch", self._installed, everywhere)
+        return self._tool is not None
 
     def _hooks(self) -> tuple[tuple[int, Callable], ...]:
         events = sys.monitoring.events
@@ -240,9 +251,7 @@ class Monitoring:
         monitoring.set_events(tool, 0)
         for code in self._local:
             monitoring.set_local_events(tool, code, 0)
-        for event, _ in self._hooks():
-            monitoring.register_callback(tool, event, None)
-        monitoring.free_tool_id(tool)
+        _uninstall(tool, self._installed)
         self._tool = None
         self._local.clear()
         self._frames.clear()
@@ -319,33 +328,34 @@ class Starts:
     def __init__(self, on_start: Callable[[types.FrameType], bool], wrap: Callable[[Callable], Callable]):
         self.on_start, self.wrap = on_start, wrap
         self._tool: int | None = None
+        self._installed: tuple[
+            tuple[int, Callable], ...
+        ] = ()  # the hooks registered, as `_install` took them
         self._thread = 0
+
+    def _hooks(self) -> tuple[tuple[int, Callable], ...]:
+        events = sys.monitoring.events
+        return (
+            (events.PY_START, self._started),
+            (events.PY_RESUME, self._started),
+            (events.PY_THROW, self._thrown),
+        )
 
     def start(self) -> bool:
         """False when no tool id is free: nothing installed."""
-        monitoring = sys.monitoring
-        self._tool = tool = _claim_tool("graphstep read watch")
-        if tool is None:
-            return False
+        events = sys.monitoring.events
+        self._installed = tuple((event, self.wrap(hook)) for event, hook in self._hooks())
         self._thread = threading.get_ident()
-        events = monitoring.events
-        monitoring.register_callback(tool, events.PY_START, self.wrap(self._started))
-        monitoring.register_callback(tool, events.PY_RESUME, self.wrap(self._started))
-        monitoring.register_callback(tool, events.PY_THROW, self.wrap(self._thrown))
-        monitoring.restart_events()  # (see Monitoring.start)
-        monitoring.set_events(tool, events.PY_START | events.PY_RESUME | events.PY_THROW)
-        return True
+        self._tool = _install(
+            "graphstep read watch", self._installed, events.PY_START | events.PY_RESUME | events.PY_THROW
+        )
+        return self._tool is not None
 
     def stop(self) -> None:
-        monitoring, tool = sys.monitoring, self._tool
-        if tool is None:
-            return
-        monitoring.set_events(tool, 0)
-        events = monitoring.events
-        for event in (events.PY_START, events.PY_RESUME, events.PY_THROW):
-            monitoring.register_callback(tool, event, None)
-        monitoring.free_tool_id(tool)
-        self._tool = None
+        if self._tool is not None:
+            sys.monitoring.set_events(self._tool, 0)
+            _uninstall(self._tool, self._installed)
+            self._tool = None
 
     def _started(self, code: types.CodeType, offset: int) -> Any:
         if threading.get_ident() != self._thread:
