@@ -233,10 +233,10 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fwd = plan.begin_forward(tensors)
+        outputs = plan.begin_forward(tensors)
         ctx.plan = plan
-        ctx.mark_non_differentiable(*[o for o, r in zip(fwd.outputs, fwd.output_requires) if not r])
-        return tuple(fwd.outputs)
+        ctx.mark_non_differentiable(*[o for o, r in zip(outputs, plan.forward.output_requires) if not r])
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple:
@@ -256,25 +256,27 @@ class _Plan:
     tensors: list[torch.Tensor]
     """What the boundary node takes: the tensor arguments, then the parameters the segment uses."""
     loose: list
+    inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """The segment's inputs, owned from its forward to its backward (as eager's saved tensors are)."""
     forward: ForwardSegment | None = None
     order: grad_order.Order | None = None
     """Its targets' users made after it (`grad_order`), once the boundary node exists."""
 
-    def begin_forward(self, tensors: tuple) -> ForwardSegment:
+    def begin_forward(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
         splitter = self.session.splitter
-        splitter.end_part()
+        outputs = _buffers(splitter, lambda: [torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
+                                                                  device=m.device) for m in self.seen.metas])  # fmt: skip
         reach = self.seen.reach
         arguments, inputs, requires = grad_order.Arguments.of(tensors[: self.n_inputs], reach.inputs)
-        outputs = [
-            torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in self.seen.metas
-        ]
+        self.inputs = inputs  # owned until the segment's backward, which reads them (its forward saved them)
+        held = _unowned_in_pool([None if k else t for t, k in zip(inputs, arguments.keep)], splitter)
         fwd = self.forward = ForwardSegment(
             self.fn,
             self.name,
             self.input_spec,
-            inputs,
+            [t if k else h for t, h, k in zip(inputs, held, arguments.keep)],  # keep: the leaf itself
             requires,
-            outputs,
+            outputs if splitter.in_pool is None else [_unowned(t) for t in outputs],
             self.seen.spec,
             reach.outputs,
             _amp_state(),
@@ -285,7 +287,7 @@ class _Plan:
         if splitter.executes:  # the recording backend runs the step while it captures: the segment too
             fwd.run()
         splitter.begin_part()
-        return fwd
+        return tuple(outputs)
 
     def begin_backward(self, grad_outputs: tuple) -> list[torch.Tensor | None]:
         if torch.is_grad_enabled():
@@ -297,34 +299,25 @@ class _Plan:
         fwd = self.forward
         seeds = [] if self.order is None else self.session.order.seeds(self.order)
         splitter = self.session.splitter
-        splitter.end_part()
         reach = self.seen.reach
-        inputs = [t for t, r in zip(fwd.inputs, fwd.requires) if r]
+        inputs = [t for t, r in zip(self.inputs, fwd.requires) if r]
         given = {id(t) for t in self.tensors[: self.n_inputs]}
         params = reach.params + [p for p in reach.idle if id(p) not in given]
-        slots: list[torch.Tensor | None] = [torch.empty_like(t) for t in inputs]
-        zero_ok = [False] * len(inputs)
-        for p in reach.params:
-            slots.append(torch.empty_like(p))
-            zero_ok.append(p.grad is not None)
-        for p in reach.idle:  # unused in the warm-up: exact only where .grad exists (gets + 0)
-            slots.append(torch.empty_like(p) if p.grad is not None else None)
-            zero_ok.append(p.grad is not None)
-        bwd = BackwardSegment(
-            fwd,
-            [None if g is None else g.detach() for g in grad_outputs],
-            params,
-            [None if s is None else _alias(s) for s in slots],
-            zero_ok,
-            _amp_state(),
-            self.name,
-            seeds,
-        )
+        zero_ok = [False] * len(inputs) + [p.grad is not None for p in reach.params + reach.idle]
+        # unused in the warm-up (`idle`): exact only where .grad exists (gets + 0)
+        wanted = inputs + reach.params + [p if p.grad is not None else None for p in reach.idle]
+        # Each becomes a `.grad`, or is freed once summed into one.
+        slots = _buffers(splitter, lambda: [None if t is None else torch.empty_like(t) for t in wanted])
+        grad_outputs = _unowned_in_pool([None if g is None else g.detach() for g in grad_outputs], splitter)
+        hold = _alias if splitter.in_pool is None else _unowned
+        held = [None if t is None else hold(t) for t in slots]
+        bwd = BackwardSegment(fwd, grad_outputs, params, held, zero_ok, _amp_state(), self.name, seeds)
         fwd.backward = bwd
         self.session.segments.append(bwd)
         if splitter.executes:
             bwd.run()
         splitter.begin_part()
+        self.inputs = []  # the segment's backward was their last use: later parts may reuse them
         by_input = iter(slots[: len(inputs)])
         grads = [next(by_input) if r else None for r in fwd.requires]
         by_param = dict(zip(map(id, params), slots[len(inputs) :]))
@@ -337,7 +330,7 @@ class _Plan:
         in C++, a cycle the garbage collector cannot see. A failed capture's stayed so, in its abandoned
         pool, for good (issue 42: 39 MiB on the MoE row, 113 MiB with grouped_mm), and the capture that
         succeeded kept its own until the process ended, `close()` or not. Replays need none of it."""
-        self.forward, self.order, self.tensors, self.session = None, None, [], None
+        self.forward, self.order, self.tensors, self.session, self.inputs = None, None, [], None, []
 
     def watch(self, outputs: tuple) -> None:
         """After the boundary node exists: have the capture's backward find its targets' later users."""
@@ -348,6 +341,40 @@ class _Plan:
             wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
             wanted += [(p, f"its parameter of shape {list(p.shape)}") for p in self.seen.reach.params]
             self.order = self.session.order.follow(self.name, node, wanted, self.seen.reach.casts)
+
+
+def _buffers(splitter: segments.Splitter, make: Callable[[], list]) -> list:
+    """End the capture's part and make the buffers a segment writes: in a capture into a pool (CUDA) by
+    the part that ends, in its pool, owned by autograd (`_unowned`); where deterministic mode fills new
+    memory, the fill is that graph's, before the segment writes them (made in the next part, its fill
+    ran after, over the segment's results). Elsewhere after the part, where no recording sees them."""
+    made = make() if splitter.in_pool is not None else None
+    splitter.end_part()
+    return made if made is not None else make()
+
+
+def _unowned_in_pool(tensors: list, splitter: segments.Splitter) -> list:
+    """Each of `tensors` that lives in the capture's pool (CUDA) as a tensor over its memory that does not
+    own it; the others (and None) as they are. Called between two parts of the capture."""
+    if splitter.in_pool is None:
+        return list(tensors)
+    inside = iter(splitter.in_pool([t for t in tensors if t is not None]))
+    return [t if t is None or not next(inside) else _unowned(t) for t in tensors]
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory that does not keep it allocated (torch's cudagraph trees rebuild their
+    outputs so), for a buffer in the step's pool that segments read or write between two graphs of a
+    replay. Owned, it was held for good beside eager's peak (issue 42: each segment's results, inputs and
+    gradients, 0.1-0.2 GiB on the MoE row). Unowned, it is freed at capture where autograd or the graphs
+    let go of it, as eager frees an activation, and later parts of the capture reuse its memory: a
+    replay writes and reads it in capture order, within the replay, as a graph does its scratch. The
+    pool keeps the memory for the step's graphs."""
+    storage = t.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        unowned, t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

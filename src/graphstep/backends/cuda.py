@@ -52,6 +52,19 @@ def _hand_back(index: int, pool: tuple[int, int], *, used: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def _pool_members(index: int, pool: tuple[int, int], tensors: list[torch.Tensor]) -> list[bool]:
+    """Which of `tensors` live in `pool` on device `index` now (one listing of the allocator's segments)."""
+    ranges = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in torch.cuda.memory_snapshot()
+        if s.get("device", index) == index and tuple(s.get("segment_pool_id", ())) == tuple(pool)
+    ]
+    return [
+        t.device.type == "cuda" and any(a <= t.untyped_storage().data_ptr() < b for a, b in ranges)
+        for t in tensors
+    ]
+
+
 @contextlib.contextmanager
 def _segments_at_replay(backend: CudaGraphBackend) -> Iterator[None]:
     """Around a replay's graphs and eager segments: the library path their warm-ups and capture took
@@ -229,7 +242,9 @@ class CudaGraphBackend:
             with as_captured(), no_compiling(), counts_on_device(), self._on_capture_stream():
                 begin_part()
                 try:
-                    outputs = body(Splitter(end_part, begin_part, executes=False), *args, **kwargs)
+                    in_pool = functools.partial(_pool_members, self.index, self.pool)
+                    splitter = Splitter(end_part, begin_part, executes=False, in_pool=in_pool)
+                    outputs = body(splitter, *args, **kwargs)
                 except BaseException:
                     # End the failed capture so the stream is usable again; its own error
                     # (capture invalidated) says less than the step's, which propagates. A
@@ -292,11 +307,13 @@ class CudaGraphBackend:
         """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
         "beginAllocateToPool: already recording"), so later warm-ups and captures use a fresh
         pool. Graphs captured earlier keep the old one alive for as long as they live."""
-        old, stranded = self.pool, _end_routing(self.index, self.pool)
+        old, routed = self.pool, _end_routing(self.index, self.pool)
+        used = bool(self._graphs_in_pool.get(old))
         self.renew_pool()
-        if stranded:  # with no graph in it, the tensors it still holds move out (`stranded.py`)
-            _hand_back(self.index, old, used=bool(self._graphs_in_pool.get(old)))
-            self.stranded += [] if self._graphs_in_pool.get(old) else [old]
+        if routed:  # a host sync: its graph still held a reference to the pool
+            _hand_back(self.index, old, used=used)
+        if not used:  # with no graph in it, the tensors it still holds move out (`stranded.py`)
+            self.stranded.append(old)
 
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.

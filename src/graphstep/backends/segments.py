@@ -56,6 +56,8 @@ class Splitter:
     begin_part: Callable[[], None]
     executes: bool
     """The backend runs the step while capturing (recording, eager): a segment runs then too."""
+    in_pool: Callable[[list[torch.Tensor]], list[bool]] | None = None
+    """A capture into a memory pool (CUDA): which of the tensors live in that pool now, between parts."""
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,12 +1,14 @@
 """Tensors a failed capture left in its pool, moved out (issue 42).
 
-A capture stopped by a host sync (every graph break) abandons its pool: torch's allocator keeps it
-marked as capturing, so later warm-ups and captures take a fresh one (`cuda.py`). Whatever the warm-ups
-made there that lives on stays: the optimizer state made lazily in the first warm-up (AdamW's moments, two
-copies of the parameters) and gradients kept between steps. Those tensors kept the pool's segments from
-the driver, and the free blocks beside them from every other allocation: the MoE row held 0.18 GiB in
-such a pool. Here they get fresh memory, in place (the same tensor objects, the same values), and the
-abandoned pool, empty, goes back.
+A failed capture abandons its pool and later warm-ups and captures take a fresh one (`cuda.py`):
+after a host sync inside CUDA (every graph break) torch's allocator keeps the pool marked as capturing;
+after a failure raised before CUDA saw one (the models suite's `grouped_mm` experts) it is renewed all
+the same. Whatever the warm-ups made there that lives on stays: the optimizer state made lazily in the
+first warm-up (AdamW's moments, two copies of the parameters) and gradients kept between steps. Those
+tensors kept the pool's segments from the driver, and the free blocks beside them from every other
+allocation: the MoE row held 0.18 GiB in such a pool, 0.15 GiB with `grouped_mm` experts (whose
+abandoned pool this module did not look at before: only a pool left capturing was). Here they get fresh
+memory, in place (the same tensor objects, the same values), and the abandoned pool, empty, goes back.
 """
 
 from __future__ import annotations

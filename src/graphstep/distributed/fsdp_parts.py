@@ -24,6 +24,7 @@ with work forked from it and not joined. FSDP2's buffers and bookkeeping stay as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,5 +131,5 @@ def across_parts(
         for event in held_events(states):
             event.record(stream)
 
-    yield Splitter(end_part, begin_part, splitter.executes)
+    yield dataclasses.replace(splitter, end_part=end_part, begin_part=begin_part)
     join()  # a capture split or not: joining a stream already joined orders nothing more

@@ -170,7 +170,7 @@ class HostRandomWatch:
             for tracked in self._tracked.values():
                 tracked.mark = tracked.fingerprint()
 
-        return Splitter(end_part, begin_part, splitter.executes)
+        return dataclasses.replace(splitter, end_part=end_part, begin_part=begin_part)
 
     def error(self) -> HostRandomError:
         return HostRandomError(draw_advice.refusal_message(self.name, self.draws))
