@@ -298,3 +298,66 @@ def test_a_graph_breaks_failed_capture_is_let_go_before_the_warm_up_that_follows
     step = moe_step(5)
     assert alive == [0], alive
     step.close()
+
+
+class CachingExperts(torch.nn.Module):
+    """Experts that keep their last result (a module's cache, as a logging hook would)."""
+
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        self.experts = experts
+        self.last = None
+
+    def forward(self, *args):
+        self.last = self.experts(*args)
+        return self.last
+
+
+def live_results(step) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(result, buffer) of each segment's forward whose results wait for its backward."""
+    (life,) = step._lives.values()
+    forwards = [s for s in life.current.recording.segments if type(s).__name__ == "ForwardSegment"]
+    return [(t, b) for f in forwards if f.live is not None for t, b in zip(f.live[1], f.outputs)]
+
+
+def test_a_segments_results_take_their_buffers_memory_until_its_backward_unless_it_kept_them():
+    """A replay copies a segment's results into the buffers the next graph reads; the results then wait
+    for the segment's backward, which needs only their autograd nodes. Held as they were, each result
+    took its memory twice until then (40 MiB of the grouped_mm row on the H100). Results nothing else
+    holds take their buffer's memory instead; one the segment kept keeps its own, and its values stay its
+    own when later replays overwrite the buffer. Bitwise both ways."""
+    torch.manual_seed(0)
+    model = MoENet()
+    model.blocks[1].experts = CachingExperts(model.blocks[1].experts)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
+    for block in model.blocks:
+        graphstep.eager_segment(block.experts)
+    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
+    eager = zero_first_step(twin, twin_opt)
+    g = torch.Generator().manual_seed(0)
+    kept, twin_kept = [], []
+    for i in range(5):
+        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
+        torch.manual_seed(i)
+        want = eager(x, y)
+        torch.manual_seed(i)
+        assert torch.equal(step(x, y), want), f"call {i}"
+        kept.append(model.blocks[1].experts.last)
+        twin_kept.append(twin.blocks[1].experts.last)
+    for i, (a, b) in enumerate(zip(kept, twin_kept)):
+        assert torch.equal(a, b), f"the result the segment kept at call {i} changed since"
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    step.close()
+
+    # A step that stops before the backward: the segments' results still wait for it after the call.
+    probe = graphstep.capture(lambda x: model(x).sum(), model=model, config=config)
+    for _ in range(4):
+        probe(torch.randn(4, 8, 16, generator=g))
+    pairs = live_results(probe)
+    assert len(pairs) == 2, "both segments' results wait for a backward"
+    shared = [t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for t, b in pairs]
+    assert shared == [True, False], "the first segment's result takes its buffer; the kept one does not"
+    probe.close()

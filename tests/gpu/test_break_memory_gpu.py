@@ -77,7 +77,7 @@ def measured(calls):
     peaks: list[tuple[int, int]] = []  # (allocated, reserved), each call's
     results = calls(peaks)
     torch.cuda.synchronize()
-    per_call = [round((a - allocated) / 2**20, 1) for a, _ in peaks]
+    per_call = [(round((a - allocated) / 2**20, 1), round((r - reserved) / 2**20)) for a, r in peaks]
     return results, max(a for a, _ in peaks) - allocated, max(r for _, r in peaks) - reserved, per_call
 
 
@@ -118,29 +118,33 @@ def run_both(late_break: bool = False):
     print(
         f"\npeak allocated: graphstep {graph_alloc / mib:.1f} MiB, eager {eager_alloc / mib:.1f} MiB "
         f"({graph_alloc / eager_alloc:.2f}x); peak reserved: {graph_res / mib:.1f} vs {eager_res / mib:.1f} MiB "
-        f"({graph_res / eager_res:.2f}x)\neach call's peak (MiB), eager: "
+        f"({graph_res / eager_res:.2f}x)\neach call's peak (allocated, reserved MiB), eager: "
         f"{eager_calls}, graphstep: {graph_calls}"
     )
     return step, (graph_alloc, eager_alloc), (graph_res, eager_res)
 
 
-NOT_MET = pytest.mark.xfail(
-    strict=False,
-    reason="issue 42's target, not met: on an H100 (2026-11-27) 1.22-1.24x eager's allocated peak at the replays "
-    "(reserved 1.37-1.49x), one break or two (docs/limits.md)",
-)
-
-
-@NOT_MET
 @pytest.mark.parametrize("late_break", [False, True], ids=["experts", "experts_and_head"])
-def test_a_step_with_a_graph_break_peaks_within_1_1x_of_eagers_memory(late_break):
+def test_a_step_with_a_graph_break_peaks_within_1_1x_of_eagers_allocated_memory(late_break):
     """`experts_and_head`: the capture that finds the second break fails after the whole forward; its
-    activations must be gone before that call warms up again (they were not: 1.69x on the MoE row)."""
-    step, (graph, eager), (graph_reserved, eager_reserved) = run_both(late_break)
+    activations must be gone before that call warms up again (they were not: 1.69x on the MoE row). The
+    segments' buffers live in the graphs' pool, unowned, and their results take the buffers' memory
+    (1.22-1.24x before, on an H100)."""
+    step, (graph, eager), _ = run_both(late_break)
     step.close()
     assert graph <= 1.1 * eager, f"graphstep peaked at {graph / eager:.2f}x eager's allocated memory"
-    ratio = graph_reserved / eager_reserved
-    assert ratio <= 1.1, f"graphstep's reserved memory peaked at {ratio:.2f}x eager's"
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 42's target, not met on reserved memory: on an H100 (2026-11-27) 1.19-1.38x eager's "
+    "(two pools: the graphs' scratch and the eager segments' memory cannot serve each other; docs/limits.md)",
+)
+@pytest.mark.parametrize("late_break", [False, True], ids=["experts", "experts_and_head"])
+def test_a_step_with_a_graph_break_reserves_within_1_1x_of_eagers_memory(late_break):
+    step, _, (graph, eager) = run_both(late_break)
+    step.close()
+    assert graph <= 1.1 * eager, f"graphstep's reserved memory peaked at {graph / eager:.2f}x eager's"
 
 
 @pytest.mark.parametrize("late_break", [False, True], ids=["experts", "experts_and_head"])

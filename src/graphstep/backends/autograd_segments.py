@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -154,11 +155,29 @@ class ForwardSegment:
                 "graph after it reads buffers of the captured shape. Return the same structure and shapes "
                 "every call (pad, or keep the varying part inside the segment)."
             )
-        for buffer, t in zip(self.outputs, tensors):
-            buffer.copy_(t.detach())
+        del results  # (the structure held the results too: `_onto_buffers` counts references)
+        _onto_buffers(tensors, self.outputs)
         if differentiable:
             self.live = (leaves, tensors)
         self.host_s = time.perf_counter() - start
+
+
+def _onto_buffers(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    """Copy a replay's segment results into the buffers the next graph reads; then each result nothing
+    else holds (not a view, no other Python reference) takes its buffer's memory, and its own goes back
+    now rather than at the segment's backward, which needs only its autograd node: the results were
+    held twice until then (issue 42: 40 MiB of the grouped_mm row). A result its own node saved (`exp`,
+    say) keeps that memory in the node, as eagerly. One the segment kept (a module's cache) is left as
+    it is: its values must not follow the buffer's."""
+    for i in range(len(tensors)):
+        buffers[i].copy_(tensors[i].detach())
+    alone = sys.getrefcount(_PROBE[0])  # an object held by one list, seen the same way
+    for i in range(len(tensors)):
+        if tensors[i]._base is None and sys.getrefcount(tensors[i]) == alone:
+            tensors[i].data = buffers[i]
+
+
+_PROBE = [object()]
 
 
 @dataclasses.dataclass(eq=False)
