@@ -18,6 +18,9 @@ parameters are copied into buffers graph C reads. The parameters' gradients reac
 boundary node, in graph C, exactly where eager's autograd would accumulate them (so DDP's gradient
 hooks and a `.grad` that accumulates are captured as usual).
 
+In a CUDA capture those buffers live in the graphs' pool, held by the segment without owning them, and
+a replay's results take their buffer's memory until the segment's backward (`segment_buffers.py`).
+
 Bitwise: the segment's own arithmetic is eager's; each gradient of an input or parameter is summed
 in eager's order, with what users outside the segment give it too (`grad_order.py`). Random draws in
 the segment take the generator's offsets between the graphs', in eager order.
@@ -36,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,7 +49,7 @@ from .. import signature as sig
 from ..errors import CaptureError, GraphStepError
 from ..guards.state_guard import SEGMENT_MARK
 from ..profiling import ranged
-from . import grad_order, loose, segments
+from . import grad_order, loose, segment_buffers, segments
 
 
 @torch.compiler.disable  # a compiled model around a segment: dynamo breaks its graph here, never traces it
@@ -155,29 +157,11 @@ class ForwardSegment:
                 "graph after it reads buffers of the captured shape. Return the same structure and shapes "
                 "every call (pad, or keep the varying part inside the segment)."
             )
-        del results  # (the structure held the results too: `_onto_buffers` counts references)
-        _onto_buffers(tensors, self.outputs)
+        del results  # (the structure held the results too: `segment_buffers.onto_buffers` counts references)
+        segment_buffers.onto_buffers(tensors, self.outputs)
         if differentiable:
             self.live = (leaves, tensors)
         self.host_s = time.perf_counter() - start
-
-
-def _onto_buffers(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-    """Copy a replay's segment results into the buffers the next graph reads; then each result nothing
-    else holds (not a view, no other Python reference) takes its buffer's memory, and its own goes back
-    now rather than at the segment's backward, which needs only its autograd node: the results were
-    held twice until then (issue 42: 40 MiB of the grouped_mm row). A result its own node saved (`exp`,
-    say) keeps that memory in the node, as eagerly. One the segment kept (a module's cache) is left as
-    it is: its values must not follow the buffer's."""
-    for i in range(len(tensors)):
-        buffers[i].copy_(tensors[i].detach())
-    alone = sys.getrefcount(_PROBE[0])  # an object held by one list, seen the same way
-    for i in range(len(tensors)):
-        if tensors[i]._base is None and sys.getrefcount(tensors[i]) == alone:
-            tensors[i].data = buffers[i]
-
-
-_PROBE = [object()]
 
 
 @dataclasses.dataclass(eq=False)
@@ -283,19 +267,24 @@ class _Plan:
 
     def begin_forward(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
         splitter = self.session.splitter
-        outputs = _buffers(splitter, lambda: [torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
-                                                                  device=m.device) for m in self.seen.metas])  # fmt: skip
+        metas = self.seen.metas
+        outputs = segment_buffers.made_by_ending_part(
+            splitter,
+            lambda: [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in metas],
+        )
         reach = self.seen.reach
         arguments, inputs, requires = grad_order.Arguments.of(tensors[: self.n_inputs], reach.inputs)
         self.inputs = inputs  # owned until the segment's backward, which reads them (its forward saved them)
-        held = _unowned_in_pool([None if k else t for t, k in zip(inputs, arguments.keep)], splitter)
+        held = segment_buffers.unowned_in_pool(
+            [None if k else t for t, k in zip(inputs, arguments.keep)], splitter
+        )
         fwd = self.forward = ForwardSegment(
             self.fn,
             self.name,
             self.input_spec,
             [t if k else h for t, h, k in zip(inputs, held, arguments.keep)],  # keep: the leaf itself
             requires,
-            outputs if splitter.in_pool is None else [_unowned(t) for t in outputs],
+            outputs if splitter.in_pool is None else [segment_buffers.unowned(t) for t in outputs],
             self.seen.spec,
             reach.outputs,
             _amp_state(),
@@ -326,9 +315,13 @@ class _Plan:
         # unused in the warm-up (`idle`): exact only where .grad exists (gets + 0)
         wanted = inputs + reach.params + [p if p.grad is not None else None for p in reach.idle]
         # Each becomes a `.grad`, or is freed once summed into one.
-        slots = _buffers(splitter, lambda: [None if t is None else torch.empty_like(t) for t in wanted])
-        grad_outputs = _unowned_in_pool([None if g is None else g.detach() for g in grad_outputs], splitter)
-        hold = _alias if splitter.in_pool is None else _unowned
+        slots = segment_buffers.made_by_ending_part(
+            splitter, lambda: [None if t is None else torch.empty_like(t) for t in wanted]
+        )
+        grad_outputs = segment_buffers.unowned_in_pool(
+            [None if g is None else g.detach() for g in grad_outputs], splitter
+        )
+        hold = segment_buffers.alias if splitter.in_pool is None else segment_buffers.unowned
         held = [None if t is None else hold(t) for t in slots]
         bwd = BackwardSegment(fwd, grad_outputs, params, held, zero_ok, _amp_state(), self.name, seeds)
         fwd.backward = bwd
@@ -360,51 +353,6 @@ class _Plan:
             wanted = [w for w, r in zip(wanted, self.forward.requires) if r]
             wanted += [(p, f"its parameter of shape {list(p.shape)}") for p in self.seen.reach.params]
             self.order = self.session.order.follow(self.name, node, wanted, self.seen.reach.casts)
-
-
-def _buffers(splitter: segments.Splitter, make: Callable[[], list]) -> list:
-    """End the capture's part and make the buffers a segment writes: in a capture into a pool (CUDA) by
-    the part that ends, in its pool, owned by autograd (`_unowned`); where deterministic mode fills new
-    memory, the fill is that graph's, before the segment writes them (made in the next part, its fill
-    ran after, over the segment's results). Elsewhere after the part, where no recording sees them."""
-    made = make() if splitter.in_pool is not None else None
-    splitter.end_part()
-    return made if made is not None else make()
-
-
-def _unowned_in_pool(tensors: list, splitter: segments.Splitter) -> list:
-    """Each of `tensors` that lives in the capture's pool (CUDA) as a tensor over its memory that does not
-    own it; the others (and None) as they are. Called between two parts of the capture."""
-    if splitter.in_pool is None:
-        return list(tensors)
-    inside = iter(splitter.in_pool([t for t in tensors if t is not None]))
-    return [t if t is None or not next(inside) else _unowned(t) for t in tensors]
-
-
-def _unowned(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over `t`'s memory that does not keep it allocated (torch's cudagraph trees rebuild their
-    outputs so), for a buffer in the step's pool that segments read or write between two graphs of a
-    replay. Owned, it was held for good beside eager's peak (issue 42: each segment's results, inputs and
-    gradients, 0.1-0.2 GiB on the MoE row). Unowned, it is freed at capture where autograd or the graphs
-    let go of it, as eager frees an activation, and later parts of the capture reuse its memory: a
-    replay writes and reads it in capture order, within the replay, as a graph does its scratch. The
-    pool keeps the memory for the step's graphs."""
-    storage = t.untyped_storage()
-    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        unowned, t.storage_offset(), t.size(), t.stride()
-    )
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """Another tensor over `t`'s memory that holds no reference to `t` (a view would hold its base).
-
-    The segment's backward writes each gradient through the alias, and autograd gets `t` itself with no
-    other reference held to it: accumulating a parameter's gradient into a `.grad` that is None, it makes
-    `t` the `.grad` (as eager's autograd takes the fresh gradient) instead of a copy of it in the graph's
-    pool, which held every segment parameter's gradient twice at the step's peak (issue 42)."""
-    alias = torch.empty(0, dtype=t.dtype, device=t.device)
-    return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _split(

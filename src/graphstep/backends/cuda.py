@@ -103,9 +103,8 @@ class CudaGraphBackend:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.cuda_devices = (self.index,)
         self.stream = capture_stream(self.index)
-        # One reference to the pool, held until close(), keeps it alive between warm-up and
-        # capture: an `empty_cache` in between cannot hand warm-up's cached blocks back to
-        # the driver, so capture re-uses them and peak memory stays near eager's.
+        # One reference to the pool, held until close(), keeps it alive between warm-up and capture: an
+        # `empty_cache` between cannot hand the warm-ups' cached blocks back, so the capture reuses them.
         self.pool = self._new_pool()
         self.graphs = 0
         """Graphs alive, of every step that shares this backend (in this pool or earlier ones)."""
@@ -242,9 +241,8 @@ class CudaGraphBackend:
             with as_captured(), no_compiling(), counts_on_device(), self._on_capture_stream():
                 begin_part()
                 try:
-                    in_pool = functools.partial(_pool_members, self.index, self.pool)
-                    splitter = Splitter(end_part, begin_part, executes=False, in_pool=in_pool)
-                    outputs = body(splitter, *args, **kwargs)
+                    members = functools.partial(_pool_members, self.index, self.pool)
+                    outputs = body(Splitter(end_part, begin_part, False, members), *args, **kwargs)
                 except BaseException:
                     # End the failed capture so the stream is usable again; its own error
                     # (capture invalidated) says less than the step's, which propagates. A
@@ -304,16 +302,14 @@ class CudaGraphBackend:
             self.stream.synchronize()
 
     def _abandon_pool(self) -> None:
-        """After a failed capture the allocator keeps the pool marked as capturing (torch 2.11:
-        "beginAllocateToPool: already recording"), so later warm-ups and captures use a fresh
-        pool. Graphs captured earlier keep the old one alive for as long as they live."""
-        old, routed = self.pool, _end_routing(self.index, self.pool)
-        used = bool(self._graphs_in_pool.get(old))
+        """After a failed capture, later warm-ups and captures use a fresh pool (after a host sync torch 2.11
+        keeps the old one marked as capturing); graphs captured earlier keep it alive while they live."""
+        old, used = self.pool, bool(self._graphs_in_pool.get(self.pool))
+        routed = _end_routing(self.index, old)
         self.renew_pool()
         if routed:  # a host sync: its graph still held a reference to the pool
             _hand_back(self.index, old, used=used)
-        if not used:  # with no graph in it, the tensors it still holds move out (`stranded.py`)
-            self.stranded.append(old)
+        self.stranded += [] if used else [old]  # with no graph in it, its tensors move out (`stranded.py`)
 
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.
