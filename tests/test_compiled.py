@@ -159,3 +159,67 @@ def test_a_guarded_value_that_changes_on_every_call_is_named():
 def test_compile_count_reads_dynamo_counters_without_importing_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch._dynamo.utils")
     assert compiled.CompileCount().since() is compiled.NOTHING
+
+
+@pytest.fixture
+def nothing_compiled():
+    """dynamo's counters as in a process that has compiled nothing (`reset()` keeps them), then back."""
+    from torch._dynamo.utils import counters
+
+    kept = {key: counter.copy() for key, counter in counters.items()}
+    counters.clear()
+    yield
+    counters.clear()
+    counters.update(kept)
+
+
+def test_the_watches_hooks_are_wrapped_against_dynamo_only_once_it_has_compiled(nothing_compiled):
+    """`torch.compiler.disable` costs each event of a watch's hook (some 200,000 in a tiny GPT's capture):
+    only needed where dynamo's frame callback can be on, around code it compiled. graphstep imports dynamo
+    itself, so being imported says nothing."""
+    from graphstep.guards.compiling import frames_compiled, unseen
+
+    def hook(frame, event, arg):
+        return None
+
+    assert "torch._dynamo" in sys.modules and frames_compiled() == 0
+    assert unseen(hook) is hook
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+    assert frames_compiled() > 0 and unseen(hook) is not hook
+
+
+USE_COMPILED = False
+"""Read by the step below: the compiled model from the call that captures on."""
+
+
+def test_a_compiled_model_first_called_inside_the_capture_with_the_hooks_unwrapped(
+    nothing_compiled, monkeypatch
+):
+    """Nothing compiled before the capture, so the watches' hooks run unwrapped while dynamo's frame
+    callback is on for the first time, around the compiled model the capture calls first (on the CPU
+    dynamo compiles it there: a first compilation is no recompile). The hooks' frames are not compiled
+    and the watches keep working: one capture, replays, bitwise against the same switch made eagerly."""
+    (m, opt, forward), (m_e, opt_e, forward_e) = twins()
+
+    def make(model, opt, forward):
+        def step(x, y):
+            out = forward(x) if USE_COMPILED else model(x)
+            loss = torch.nn.functional.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    config = graphstep.Config(backend="recording", warmup_steps=2)
+    step = graphstep.capture(make(m, opt, forward), model=m, optimizer=opt, config=config)
+    eager = make(m_e, opt_e, forward_e)
+    for i, (x, y) in enumerate(data(9)):
+        if i == 2:  # the call that captures
+            monkeypatch.setitem(globals(), "USE_COMPILED", True)
+        want, got = eager(x, y), step(x, y)
+        assert torch.equal(want, got), f"call {i}"
+    assert step.stats.captures == 1 and step.stats.replays == 6, step.stats
+    for p, q in zip(m_e.parameters(), m.parameters()):
+        assert torch.equal(p, q)

@@ -28,6 +28,7 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import CompileAtCaptureError
+from ..guards.compiling import frames_compiled
 
 log = logging.getLogger("graphstep")
 
@@ -67,16 +68,16 @@ class CompileCount:
 
     def __init__(self) -> None:
         utils = _dynamo_utils()
-        self._frames = _frames(utils)
+        self._frames = frames_compiled()
         self._failures = {code: len(v) for code, v in _failures(utils).items()}
 
     def since(self) -> Compiled:
         utils = _dynamo_utils()
         if utils is None:
             return NOTHING
-        frames = _frames(utils) - self._frames
+        frames = frames_compiled() - self._frames
         if frames < 0:  # torch._dynamo.reset() cleared the counters: everything compiles again
-            frames = max(1, _frames(utils))
+            frames = max(1, frames_compiled())
         reasons = tuple(
             r for code, v in _failures(utils).items() for r in list(v)[self._failures.get(code, 0) :]
         )
@@ -164,13 +165,6 @@ def _first_line(text: str) -> str:
 
 def _dynamo_utils() -> Any:
     return sys.modules.get("torch._dynamo.utils")
-
-
-def _frames(utils: Any) -> int:
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return 0
-    return int(counters.get("frames", {}).get("total", 0))
 
 
 def _failures(utils: Any) -> dict:
