@@ -13,7 +13,8 @@ warm-ups'. Two checks keep compilation out of the capture:
   becomes a `CompileAtCaptureError`, a `WarmUpAgain`: the lifecycle performs that call as one more
   warm-up (which compiles it) and captures on the next, or raises when that did not settle it.
 
-Nothing here imports torch._dynamo: a step whose model is not compiled never loads it.
+Nothing here imports torch._dynamo (importing graphstep does: `autograd_segments.run` is wrapped in
+`torch.compiler.disable`); what dynamo compiled is read from its counters.
 """
 
 from __future__ import annotations
