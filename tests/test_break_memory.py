@@ -361,3 +361,58 @@ def test_a_segments_results_take_their_buffers_memory_until_its_backward_unless_
     shared = [t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for t, b in pairs]
     assert shared == [True, False], "the first segment's result takes its buffer; the kept one does not"
     probe.close()
+
+
+class SavesItsResult(torch.nn.Module):
+    """Returns `y` and `y * scale`: the product's node saves `y` itself (for `scale`'s gradient)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y * self.scale
+
+
+class TwoOutputs(torch.nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.inp = torch.nn.Linear(dim, dim)
+        self.seg = SavesItsResult(dim)
+        self.out = torch.nn.Linear(dim, 1)
+
+    def forward(self, x):
+        y, z = self.seg(torch.tanh(self.inp(x)))
+        return self.out(torch.tanh(y) + z)
+
+
+def test_a_result_a_node_inside_the_segment_saved_keeps_its_own_memory():
+    """`y * scale` saves `y`, and the segment's backward reads it after the next graph, which on a GPU
+    may have reused the buffer's memory by then: `y` keeps its own memory, the product (saved by
+    nothing) takes its buffer's. Bitwise against eager."""
+    torch.manual_seed(0)
+    model = TwoOutputs()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
+    graphstep.eager_segment(model.seg)
+    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
+    eager = zero_first_step(twin, twin_opt)
+    g = torch.Generator().manual_seed(0)
+    for i in range(5):
+        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
+        assert torch.equal(step(x, y), eager(x, y)), f"call {i}"
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    step.close()
+
+    probe = graphstep.capture(lambda x: model(x).sum(), model=model, config=config)
+    for _ in range(4):
+        probe(torch.randn(4, 8, 16, generator=g))
+    shared = [
+        t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for t, b in live_results(probe)
+    ]
+    assert shared == [False, True], shared
+    probe.close()

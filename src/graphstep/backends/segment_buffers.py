@@ -66,17 +66,22 @@ def alias(t: torch.Tensor) -> torch.Tensor:
 
 def onto_buffers(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
     """Copy a replay's segment results into the buffers the next graph reads; then each result nothing
-    else holds (not a view, no other Python reference) takes its buffer's memory, and its own goes back
-    now rather than at the segment's backward, which needs only its autograd node: the results were
-    held twice until then (issue 42: 40 MiB of the grouped_mm row). A result its own node saved (`exp`,
-    say) keeps that memory in the node, as eagerly. One the segment kept (a module's cache) is left as
-    it is: its values must not follow the buffer's."""
+    else holds takes its buffer's memory, and its own goes back now rather than at the segment's
+    backward, which needs only its autograd node: the results were held twice until then (issue 42:
+    40 MiB of the grouped_mm row). A result its own node saved (`exp`, say) keeps that memory in the
+    node, as eagerly. Left as they are: a view; a result the segment kept (a module's cache: another
+    Python reference), whose values must not follow the buffer's; a result a node inside the segment
+    saved as its input (a reference from C++: torch 2.13 counts it among the Python object's references;
+    the tensor's own `_use_count` counts it whatever the release), which the segment's backward reads
+    after the next graph may have reused the buffer's memory."""
     for i in range(len(tensors)):
         buffers[i].copy_(tensors[i].detach())
-    alone = sys.getrefcount(_PROBE[0])  # an object held by one list, seen the same way
+    alone = sys.getrefcount(_PROBE[0]) + 1  # an object held by one list and a local name, seen alike
     for i in range(len(tensors)):
-        if tensors[i]._base is None and sys.getrefcount(tensors[i]) == alone:
-            tensors[i].data = buffers[i]
+        t = tensors[i]
+        if t._base is None and getattr(t, "_use_count", lambda: 0)() == 1 and sys.getrefcount(t) == alone:
+            t.data = buffers[i]
+        del t
 
 
 _PROBE = [object()]
