@@ -5,6 +5,7 @@ category, the pickle kept small. Well under a second."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import importlib.util
 import pickle
@@ -198,28 +199,45 @@ def zero_first_step(model, opt):
     return step
 
 
+SEGMENT_CONFIG = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
+
+
+def train_beside_eager(model, segments, calls, momentum=0.0, after_call=lambda twin: None):
+    """`model`'s `segments(model)` modules made eager segments, its step captured (recording backend) and
+    trained `calls` times beside an eager twin: every loss and, at the end, every parameter bitwise.
+    `after_call(twin)` runs after each pair of calls. Returns the captured step and the twin."""
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=momentum) for m in (model, twin))
+    for module in segments(model):
+        graphstep.eager_segment(module)
+    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=SEGMENT_CONFIG)
+    eager = zero_first_step(twin, twin_opt)
+    g = torch.Generator().manual_seed(0)
+    for i in range(calls):
+        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
+        torch.manual_seed(i)
+        want = eager(x, y)
+        torch.manual_seed(i)
+        assert torch.equal(step(x, y), want), f"call {i}"
+        after_call(twin)
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    return step, twin
+
+
+def experts_of(model):
+    return [block.experts for block in model.blocks]
+
+
 def test_a_segments_parameter_gradient_is_the_segments_own_buffer_not_a_copy():
     """Eager's autograd makes the fresh gradient a `.grad` that was None; at a break, the gradient the
     segment's backward writes is that `.grad` (one buffer), where it was copied into a second one in
     the graph's pool. Bitwise as before."""
     torch.manual_seed(0)
     model = MoENet()
-    twin = copy.deepcopy(model)
-    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, twin))
-    for block in model.blocks:
-        graphstep.eager_segment(block.experts)
-    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
-    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
-    eager = zero_first_step(twin, twin_opt)
-    g = torch.Generator().manual_seed(0)
-    for i in range(6):
-        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
-        torch.manual_seed(i)
-        want = eager(x, y)
-        torch.manual_seed(i)
-        assert torch.equal(step(x, y), want), f"call {i}"
+    step, twin = train_beside_eager(model, experts_of, 6, momentum=0.9)
     for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-        assert torch.equal(p, q) and torch.equal(p.grad, q.grad), name
+        assert torch.equal(p.grad, q.grad), name
     (life,) = step._lives.values()
     backwards = [s for s in life.current.recording.segments if type(s).__name__ == "BackwardSegment"]
     assert len(backwards) == 2
@@ -257,7 +275,7 @@ def moe_step(calls: int, late_break: bool = False, **config):
     if late_break:
         model.out = SyncingHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph", **config)
+    config = dataclasses.replace(SEGMENT_CONFIG, **config)
     step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
     g = torch.Generator().manual_seed(0)
     for _ in range(calls):
@@ -313,11 +331,18 @@ class CachingExperts(torch.nn.Module):
         return self.last
 
 
-def live_results(step) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(result, buffer) of each segment's forward whose results wait for its backward."""
-    (life,) = step._lives.values()
+def results_on_their_buffers(model) -> list[bool]:
+    """Per result of each of `model`'s segments: after a replay of a step that stops before the backward
+    (its results still wait for it), whether the result shares its buffer's memory."""
+    probe = graphstep.capture(lambda x: model(x).sum(), model=model, config=SEGMENT_CONFIG)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        probe(torch.randn(4, 8, 16, generator=g))
+    (life,) = probe._lives.values()
     forwards = [s for s in life.current.recording.segments if type(s).__name__ == "ForwardSegment"]
-    return [(t, b) for f in forwards if f.live is not None for t, b in zip(f.live[1], f.outputs)]
+    pairs = [(t, b) for f in forwards if f.live is not None for t, b in zip(f.live[1], f.outputs)]
+    probe.close()
+    return [t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for t, b in pairs]
 
 
 def test_a_segments_results_take_their_buffers_memory_until_its_backward_unless_it_kept_them():
@@ -329,38 +354,17 @@ def test_a_segments_results_take_their_buffers_memory_until_its_backward_unless_
     torch.manual_seed(0)
     model = MoENet()
     model.blocks[1].experts = CachingExperts(model.blocks[1].experts)
-    twin = copy.deepcopy(model)
-    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
-    for block in model.blocks:
-        graphstep.eager_segment(block.experts)
-    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
-    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
-    eager = zero_first_step(twin, twin_opt)
-    g = torch.Generator().manual_seed(0)
     kept, twin_kept = [], []
-    for i in range(5):
-        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
-        torch.manual_seed(i)
-        want = eager(x, y)
-        torch.manual_seed(i)
-        assert torch.equal(step(x, y), want), f"call {i}"
+
+    def keep(twin):
         kept.append(model.blocks[1].experts.last)
         twin_kept.append(twin.blocks[1].experts.last)
+
+    step, _ = train_beside_eager(model, experts_of, 5, after_call=keep)
+    step.close()
     for i, (a, b) in enumerate(zip(kept, twin_kept)):
         assert torch.equal(a, b), f"the result the segment kept at call {i} changed since"
-    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name
-    step.close()
-
-    # A step that stops before the backward: the segments' results still wait for it after the call.
-    probe = graphstep.capture(lambda x: model(x).sum(), model=model, config=config)
-    for _ in range(4):
-        probe(torch.randn(4, 8, 16, generator=g))
-    pairs = live_results(probe)
-    assert len(pairs) == 2, "both segments' results wait for a backward"
-    shared = [t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for t, b in pairs]
-    assert shared == [True, False], "the first segment's result takes its buffer; the kept one does not"
-    probe.close()
+    assert results_on_their_buffers(model) == [True, False], "the kept result keeps its own memory"
 
 
 class SavesItsResult(torch.nn.Module):
@@ -394,25 +398,6 @@ def test_a_result_a_node_inside_the_segment_saved_keeps_its_own_memory():
     nothing) takes its buffer's. Bitwise against eager."""
     torch.manual_seed(0)
     model = TwoOutputs()
-    twin = copy.deepcopy(model)
-    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
-    graphstep.eager_segment(model.seg)
-    config = graphstep.Config(backend="recording", warmup_steps=2, optimizer_mode="graph")
-    step = graphstep.capture(zero_first_step(model, opt), model=model, optimizer=opt, config=config)
-    eager = zero_first_step(twin, twin_opt)
-    g = torch.Generator().manual_seed(0)
-    for i in range(5):
-        x, y = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g)
-        assert torch.equal(step(x, y), eager(x, y)), f"call {i}"
-    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name
+    step, _ = train_beside_eager(model, lambda m: [m.seg], 5)
     step.close()
-
-    probe = graphstep.capture(lambda x: model(x).sum(), model=model, config=config)
-    for _ in range(4):
-        probe(torch.randn(4, 8, 16, generator=g))
-    shared = [
-        t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for t, b in live_results(probe)
-    ]
-    assert shared == [False, True], shared
-    probe.close()
+    assert results_on_their_buffers(model) == [False, True]
