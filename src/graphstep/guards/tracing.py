@@ -203,18 +203,36 @@ def _uninstall(tool: int, hooks: tuple[tuple[int, Callable], ...]) -> None:
     monitoring.free_tool_id(tool)
 
 
-class Monitoring:
+class _Tool:
+    """A `sys.monitoring` tool id held while a watch is on: its hooks, as registered, and the thread it
+    watches. (Each watch's `stop` turns the events off itself, before it calls any Python.)"""
+
+    def __init__(self, wrap: Callable[[Callable], Callable]):
+        self.wrap = wrap
+        self._tool: int | None = None
+        self._installed: tuple[tuple[int, Callable], ...] = ()
+        """The hooks registered (wrapped), as `_install` took them."""
+        self._thread = 0
+
+    def _hooks(self) -> tuple[tuple[int, Callable], ...]:
+        raise NotImplementedError
+
+    def _install_as(self, name: str, events: int) -> bool:
+        """False when no tool id is free (another tool holds them): nothing installed."""
+        self._installed = tuple((event, self.wrap(hook)) for event, hook in self._hooks())
+        self._thread = threading.get_ident()
+        self._tool = _install(name, self._installed, events)
+        return self._tool is not None
+
+
+class Monitoring(_Tool):
     """PEP 669 events on the code objects the client traces only (see the module's docstring)."""
 
     name = "monitoring"
 
     def __init__(self, client: Client, wrap: Callable[[Callable], Callable] = lambda f: f):
-        self.client, self.wrap = client, wrap
-        self._tool: int | None = None
-        self._installed: tuple[
-            tuple[int, Callable], ...
-        ] = ()  # the hooks registered, as `_install` took them
-        self._thread = 0
+        super().__init__(wrap)
+        self.client = client
         self._kinds: dict[types.CodeType, Kind] = {}
         self._frames: dict[types.FrameType, None] = {}
         """Traced frames that started or resumed during the watch, running now."""
@@ -222,13 +240,9 @@ class Monitoring:
         """Code objects given local events (taken off at the end)."""
 
     def start(self) -> bool:
-        """False when no tool id is free (another tool holds them): nothing installed."""
         events = sys.monitoring.events
         everywhere = events.PY_START | events.PY_RESUME | events.PY_THROW | events.PY_UNWIND | events.RAISE
-        self._installed = tuple((event, self.wrap(hook)) for event, hook in self._hooks())
-        self._thread = threading.get_ident()
-        self._tool = _install("graphstep write watch", self._installed, everywhere)
-        return self._tool is not None
+        return self._install_as("graphstep write watch", everywhere)
 
     def _hooks(self) -> tuple[tuple[int, Callable], ...]:
         events = sys.monitoring.events
@@ -317,7 +331,7 @@ def _running(code: types.CodeType) -> types.FrameType:
 # -- frames that start: the read watch's only need -------------------------------------------------
 
 
-class Starts:
+class Starts(_Tool):
     """`on_start(frame)` for each Python frame that starts or resumes on this thread while on: a
     profile function's "call" event, from `sys.monitoring`'s PY_START / PY_RESUME / PY_THROW alone
     (no event per C call, nor per return, as `sys.setprofile` has on every function). `on_start`
@@ -326,12 +340,8 @@ class Starts:
     when `GRAPHSTEP_TRACER=settrace`)."""
 
     def __init__(self, on_start: Callable[[types.FrameType], bool], wrap: Callable[[Callable], Callable]):
-        self.on_start, self.wrap = on_start, wrap
-        self._tool: int | None = None
-        self._installed: tuple[
-            tuple[int, Callable], ...
-        ] = ()  # the hooks registered, as `_install` took them
-        self._thread = 0
+        super().__init__(wrap)
+        self.on_start = on_start
 
     def _hooks(self) -> tuple[tuple[int, Callable], ...]:
         events = sys.monitoring.events
@@ -342,14 +352,8 @@ class Starts:
         )
 
     def start(self) -> bool:
-        """False when no tool id is free: nothing installed."""
         events = sys.monitoring.events
-        self._installed = tuple((event, self.wrap(hook)) for event, hook in self._hooks())
-        self._thread = threading.get_ident()
-        self._tool = _install(
-            "graphstep read watch", self._installed, events.PY_START | events.PY_RESUME | events.PY_THROW
-        )
-        return self._tool is not None
+        return self._install_as("graphstep read watch", events.PY_START | events.PY_RESUME | events.PY_THROW)
 
     def stop(self) -> None:
         if self._tool is not None:
