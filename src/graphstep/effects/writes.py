@@ -25,7 +25,7 @@ containers' mutating methods (`append`, `update`, ...); the target of each comes
 installed before (local tracers included) and puts it back after; no profile function is installed,
 so trusted code pays one trace call per Python frame it enters (with `sys.monitoring`, one event per
 code object) and nothing per C call. What existed before is a census of the collector's objects taken
-when the watch starts (tensors left out).
+when the watch starts (tensors left out; `values.Census`).
 
 Limits: user Python that autograd runs on its own threads (a custom backward on CUDA) is not watched;
 writes through `setattr()`, `object.__setattr__`, `vars(obj)[...]`, a C function handed a container
@@ -141,19 +141,17 @@ class WriteWatch:
         if not self.enabled or self._used:
             return self
         self._used = True
-        previous, profile = sys.gettrace(), sys.getprofile()
+        previous = sys.gettrace()
         if previous is not None and not callable(previous) and tracing.chosen() == "settrace":
             return _unwatched(self, "a C-level tracer is active")
-        if profile is None or callable(profile):  # a Python profiler would see every call the census makes
-            sys.setprofile(None)
+        # The census decides what to refuse and what a failed capture takes back: allowed writes too,
+        # or objects it made and something still holds lose their attributes (a torch op entry).
+        self._census = values.Census()
         try:
-            # The census decides what to refuse and what a failed capture takes back: allowed writes too,
-            # or objects it made and something still holds lose their attributes (a torch op entry).
-            self._census = values.Census()
-        finally:
-            if profile is None or callable(profile):
-                sys.setprofile(profile)
-        self._tracer = tracing.start(self, wrap=unseen)  # (hooks run in compiled models: not compiled)
+            self._tracer = tracing.start(self, wrap=unseen)  # (hooks run in compiled models: not compiled)
+        except BaseException:
+            self._census.drop()  # (its collector callback goes with it)
+            raise
         if self._tracer is None:
             self._census.drop()
             return _unwatched(

@@ -388,41 +388,6 @@ class IdentityCheck {
   std::vector<Entry> entries_;
 };
 
-// The objects alive when a capture begins (effects/values.py's Census, which says why): each one
-// held, except those of the types left out, and found again by address. From Python, the same
-// filtering and a set of ids take ~130 ms for the 400,000 objects of a process that imported
-// transformers; here one pass and a sort.
-class Census {
- public:
-  Census(const py::list& objects, const py::tuple& left_out) {
-    std::vector<PyTypeObject*> skip;
-    for (const auto& t : left_out) skip.push_back(reinterpret_cast<PyTypeObject*>(t.ptr()));
-    const Py_ssize_t n = PyList_GET_SIZE(objects.ptr());
-    held_.reserve(n);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* o = PyList_GET_ITEM(objects.ptr(), i);
-      if (std::find(skip.begin(), skip.end(), Py_TYPE(o)) != skip.end()) continue;
-      Py_INCREF(o);
-      held_.push_back(o);
-    }
-    std::sort(held_.begin(), held_.end());
-  }
-  Census(const Census&) = delete;
-  Census& operator=(const Census&) = delete;
-  ~Census() { release(); }
-
-  bool holds(const py::handle& obj) const { return std::binary_search(held_.begin(), held_.end(), obj.ptr()); }
-
-  void release() {
-    std::vector<PyObject*> held;
-    held.swap(held_);  // a destructor run by a decref below sees an empty census
-    for (PyObject* o : held) Py_DECREF(o);
-  }
-
- private:
-  std::vector<PyObject*> held_;
-};
-
 #ifndef GRAPHSTEP_DICTS_ONLY
 // The tensor arguments of the last call a captured step dispatched: whether a call's positional
 // arguments are tensors of the same class (exactly), shapes, strides, dtypes, devices and
@@ -581,8 +546,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const py::list&>())
       .def("holds", &StateCheck::holds)
       .def_property_readonly("walks", &StateCheck::walks);
-  py::class_<Census>(m, "Census")
-      .def(py::init<const py::list&, const py::tuple&>())
-      .def("holds", &Census::holds)
-      .def("release", &Census::release);
 }
