@@ -34,7 +34,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -294,29 +293,21 @@ def run_manual(build: Callable, device: torch.device) -> dict[str, float]:
     return {"total": seconds}
 
 
-def run_graphstep(
-    build: Callable,
-    device: torch.device,
-    *,
-    left_out: str = "",
-    around: contextlib.AbstractContextManager | None = None,
-) -> dict[str, float]:
-    """graphstep's 6 calls; `around`: entered around the calls alone (a `Sampler`)."""
+def run_graphstep(build: Callable, device: torch.device, *, left_out: str = "") -> dict[str, float]:
     workload = build(BuildContext(device=device, n_calls=CALLS))
     config = graphstep.Config(backend="auto" if device.type == "cuda" else "recording")
     step = workload.make_step(workload.model)
     with timed_parts(device) as parts, without(left_out):
         captured = graphstep.capture(step, model=workload.model, optimizer=workload.optimizer, config=config)
         _sync(device)
-        with around or contextlib.nullcontext():
-            start = CLOCK[0]()
-            for i in range(CALLS):
-                captured(*workload.batches[i % len(workload.batches)])
-                if i == 3:
-                    _sync(device)
-                    through_capture = CLOCK[0]() - start
-            _sync(device)
-            seconds = CLOCK[0]() - start
+        start = CLOCK[0]()
+        for i in range(CALLS):
+            captured(*workload.batches[i % len(workload.batches)])
+            if i == 3:
+                _sync(device)
+                through_capture = CLOCK[0]() - start
+        _sync(device)
+        seconds = CLOCK[0]() - start
     stats = captured.stats
     captured.close()
     if device.type == "cuda":
@@ -364,94 +355,6 @@ def count_hooks(build: Callable, device: torch.device) -> dict[str, int]:
         for owner, name, original in originals:
             setattr(owner, name, original)
     return counts
-
-
-# -- sampling ----------------------------------------------------------------------------------------
-
-
-class Sampler:
-    """Where the main thread's time goes, by sampling its stack from another thread every `interval`
-    seconds (`sys._current_frames`): unlike a profiler, it leaves graphstep's watches on (graphstep
-    watches less while a profile function it did not install is active). Counts per function,
-    inclusive (anywhere on the stack) and self (innermost frame)."""
-
-    def __init__(self, interval: float = 0.0005) -> None:
-        self.interval = interval
-        self.inclusive: dict[str, int] = {}
-        self.own: dict[str, int] = {}
-        self.samples = 0
-        self._main = threading.get_ident()
-
-    def __enter__(self) -> Sampler:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(self.interval / 2)  # the main thread gives up the GIL that often
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        sys.setswitchinterval(self._switch)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self._main)
-            if frame is None:
-                continue
-            self.samples += 1
-            self.own[_where(frame)] = self.own.get(_where(frame), 0) + 1
-            seen = set()
-            while frame is not None:
-                seen.add(_where(frame))
-                frame = frame.f_back
-            for where in seen:
-                self.inclusive[where] = self.inclusive.get(where, 0) + 1
-
-
-def _where(frame: Any) -> str:
-    code = frame.f_code
-    parts = Path(code.co_filename).parts
-    short = "/".join(parts[parts.index("graphstep") :] if "graphstep" in parts else parts[-2:])
-    return f"{short}:{code.co_name}"
-
-
-def sample(build: Callable, device: torch.device, repeats: int) -> dict[str, Any]:
-    """graphstep's 6 calls, `repeats` times, each with its stack sampled (after a first run that pays
-    the process's one-time costs)."""
-    run_graphstep(build, device)
-    gc.collect()
-    sampler = Sampler()
-    seconds = [run_graphstep(build, device, around=sampler)["total"] for _ in range(repeats)]
-    top = lambda counts: sorted(counts.items(), key=lambda kv: -kv[1])[:45]  # noqa: E731
-    return {
-        "samples": sampler.samples,
-        "seconds": seconds,
-        "inclusive": top(sampler.inclusive),
-        "own": top(sampler.own),
-    }
-
-
-def sample_markdown(name: str, found: dict[str, Any]) -> str:
-    lines = [
-        f"## {name}: sampled stacks",
-        "",
-        f"{found['samples']} samples of the main thread's stack, every {Sampler().interval * 1e3:g} ms, over "
-        f"{len(found['seconds'])} runs of graphstep's {CALLS} calls "
-        f"({', '.join(f'{s:.3f}' for s in found['seconds'])} s, sampling on)",
-        "",
-        "| function | inclusive share | self share |",
-        "|---|---:|---:|",
-    ]
-    own = dict(found["own"])
-    for where, count in found["inclusive"]:
-        lines.append(
-            f"| {where} | {count / found['samples']:.3f} | {own.get(where, 0) / found['samples']:.3f} |"
-        )
-    lines += ["", "| innermost function | self share |", "|---|---:|"]
-    lines += [f"| {where} | {count / found['samples']:.3f} |" for where, count in found["own"]]
-    return "\n".join(lines) + "\n"
 
 
 def median_run(run: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
@@ -528,7 +431,6 @@ def main() -> None:
     parser.add_argument("--only", default="", help="workload names (comma-separated substrings)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--clock", choices=("wall", "thread"), help="default: wall on CUDA, thread on CPU")
-    parser.add_argument("--sample", action="store_true", help="only sample graphstep's stacks (Sampler)")
     args = parser.parse_args()
     clock = args.clock or ("wall" if args.device.startswith("cuda") else "thread")
     CLOCK[0] = time.perf_counter if clock == "wall" else time.thread_time
@@ -564,11 +466,6 @@ def main() -> None:
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
         started = time.perf_counter()
-        if args.sample:
-            text = sample_markdown(name, sample(build, device, args.repeats))
-            (out / f"{slug}_capture_samples_{name.replace(' ', '_')}.md").write_text(text)
-            print(text)
-            continue
         try:
             result["rows"].append(measure(name, build, device, args.repeats))
         except Exception as e:  # one workload's failure is reported, the others still run
