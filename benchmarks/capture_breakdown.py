@@ -371,9 +371,9 @@ def tracers() -> tuple[str, ...]:
 
 def measure(name: str, build: Callable, device: torch.device, repeats: int) -> dict[str, Any]:
     gc.collect()
-    run_graphstep(build, device)  # first: imports, kernels, caches
+    first = run_graphstep(build, device)  # pays the imports, kernels, caches: reported apart
     manual = median_run(lambda: run_manual(build, device), repeats)
-    row: dict[str, Any] = {"workload": name, "manual": manual, "tracers": {}}
+    row: dict[str, Any] = {"workload": name, "manual": manual, "first": first, "tracers": {}}
     for tracer in tracers():
         os.environ["GRAPHSTEP_TRACER"] = tracer
         full = median_run(lambda: run_graphstep(build, device), repeats)
@@ -396,7 +396,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"torch {result['torch']}, {result['date']} (commit {result['commit']})",
         "",
         f"Seconds ({result['clock']} clock), medians of {result['repeats']}; {CALLS} calls as the bench's `capture_s` (on CPU the "
-        "hand-written row is its 4 eager runs of the step: no graph to replay). Parts are inclusive.",
+        "hand-written row is its 4 eager runs of the step: no graph to replay). Parts are inclusive. "
+        "`first run`: graphstep's first run of the workload, default tracer, before anything else of it ran "
+        "(the first workload's pays the process's first capture).",
     ]
     for row in result["rows"]:
         if "error" in row:
@@ -406,10 +408,14 @@ def markdown(result: dict[str, Any]) -> str:
         names = list(
             dict.fromkeys(k for t in row["tracers"].values() for k in (*t["graphstep"], *t["watch costs"]))
         )
-        lines += ["| part | " + " | ".join(row["tracers"]) + " |", "|---|" + "---|" * len(row["tracers"])]
+        first = row.get(
+            "first", {}
+        )  # this workload's first run, default tracer (the first workload's: the process's)
+        columns = [*row["tracers"], "first run"] if first else list(row["tracers"])
+        lines += ["| part | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
         for key in names:
             cells = []
-            for t in row["tracers"].values():
+            for t in [*row["tracers"].values(), {"graphstep": first, "watch costs": {}}][: len(columns)]:
                 value = t["graphstep"].get(key, t["watch costs"].get(key))
                 cells.append("" if value is None else f"{value:.3f}")
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
