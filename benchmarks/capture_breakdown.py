@@ -54,7 +54,7 @@ from graphstep.bench.report import gpu_slug
 from graphstep.bench.workloads import GPT_CONFIGS, BuildContext, Workload
 from graphstep.demo.gpt import GPT, GPT2_SMALL, make_batches
 from graphstep.demo.train import make_optimizer, make_train_step
-from graphstep.effects import host_random, values
+from graphstep.effects import host_random, targets, values
 from graphstep.effects.writes import WriteWatch
 from graphstep.guards import reads, state_guard
 
@@ -214,10 +214,13 @@ def timed_parts(device: torch.device) -> Iterator[Parts]:
         (output_ring, "record", "output ring recorded"),
         (sig, "replayable_outputs", "outputs described"),
     ]
+    optional += [(targets, "stores", "write watch: bytecode read (targets.stores)")]
     if device.type == "cuda":
         optional += [
             (torch.cuda.CUDAGraph, "capture_begin", "CUDAGraph.capture_begin"),
             (torch.cuda.CUDAGraph, "capture_end", "CUDAGraph.capture_end"),
+            (CudaGraphBackend, "__init__", "setup: backend made (CudaGraphBackend)"),
+            (CudaGraphBackend, "_prime_library_workspaces", "setup: cuBLAS workspaces primed"),
         ]
     for owner, attribute, part in optional:
         if attribute in vars(owner):  # (an older graphstep may lack it)

@@ -347,6 +347,42 @@ def test_the_census_knows_what_existed(by_generation, monkeypatch):
     assert not any(cb.__self__ is census for cb in gc.callbacks if hasattr(cb, "__self__"))
 
 
+FINALIZED: dict[str, int] = {}
+
+
+def _finalized(name: str) -> None:
+    FINALIZED[name] = FINALIZED.get(name, 0) + 1  # a write to a global dict, by a finalizer
+
+
+def test_a_finalizer_of_an_object_made_before_the_capture_may_run_during_it():
+    """An object that existed before the capture may die while it runs (the census does not hold it),
+    and its `weakref.finalize` runs there: code the interpreter runs on its own, not the step's (as
+    graphstep's own module guards, whose finalizer took them off a registry), so its writes are not
+    refused. The object here is garbage in a reference cycle that the step's `gc.collect()` frees."""
+
+    class Cyclic:
+        pass
+
+    model, opt = make()
+    fit = train(model, opt)
+
+    def step(x, y):
+        gc.collect()
+        return fit(x, y)
+
+    captured = graphstep.capture(step, model=model, optimizer=opt, config=RECORDING)
+    FINALIZED.clear()
+    for i, (x, y) in enumerate(batches(4)):
+        if i == RECORDING.warmup_steps:  # the capture: garbage the census's young collection leaves
+            cyclic = Cyclic()
+            cyclic.me = cyclic
+            weakref.finalize(cyclic, _finalized, "cyclic")
+            gc.collect()  # into the oldest generation, still alive
+            del cyclic
+        captured(x, y)
+    assert captured.stats.captures == 1 and FINALIZED == {"cyclic": 1}
+
+
 def test_writes_libraries_make_in_every_forward_are_not_the_users():
     # spectral_norm's forward pre-hook assigns `module.weight` on every call: torch's bookkeeping.
     def normed() -> torch.nn.Module:

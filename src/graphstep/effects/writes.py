@@ -46,6 +46,7 @@ import logging
 import os
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -428,14 +429,19 @@ _HINTS = {
 
 def _asynchronous(frame: types.FrameType | None) -> bool:
     """`frame` runs inside code the interpreter called on its own in the middle of the step: a garbage
-    collector callback (a test framework's timer, a profiler's), a finalizer (`__del__`)."""
+    collector callback (a test framework's timer, a profiler's), a finalizer (`__del__`, a
+    `weakref.finalize`: an object that existed before the capture may die during it, graphstep's own
+    guards among them)."""
     callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "__del__" or code in callbacks:
+        if code.co_name == "__del__" or code in callbacks or code is _FINALIZE_CALL:
             return True
         frame = frame.f_back
     return False
+
+
+_FINALIZE_CALL = weakref.finalize.__call__.__code__
 
 
 def _module_around(frame: types.FrameType | None) -> Any:
