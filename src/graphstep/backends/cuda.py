@@ -90,6 +90,17 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
     return _capture_streams[index]
 
 
+def _collect_garbage(index: int) -> None:
+    """Before a capture: the warm-ups' garbage, by a collection of the younger generations
+    (milliseconds). A full one walks every object (130-200 ms in a process of 300,000; torch's own
+    capture dropped it), and is made only when the driver has less than a quarter of the device free:
+    then the memory that dead reference cycles hold may be what the capture needs."""
+    gc.collect(1)
+    free, total = torch.cuda.mem_get_info(index)
+    if free < total // 4:
+        gc.collect()
+
+
 class CudaGraphBackend:
     """CUDA graphs in one private memory pool, with warm-up on the capture stream inside it."""
 
@@ -232,9 +243,7 @@ class CudaGraphBackend:
             graphs[-1].capture_end()
 
         torch.cuda.synchronize(self.index)
-        # The warm-ups' garbage goes first: a collection of the younger generations, milliseconds (a full
-        # one walks every object: 130-200 ms in a process of 300,000; torch's own capture dropped it).
-        gc.collect(1)
+        _collect_garbage(self.index)
         self._make_room()
         gc_was_enabled = gc.isenabled()
         gc.disable()  # a collection inside the capture could free memory a kernel is using
