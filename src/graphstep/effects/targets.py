@@ -200,9 +200,43 @@ def _merge(a: list, b: list) -> list:
     return [x if x == y else None for x, y in zip(a, b)]
 
 
+_STORE_OPCODES = frozenset(
+    dis.opmap[name]
+    for name in (
+        *("STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE"),
+        *("STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF", "STORE_NAME", "DELETE_NAME"),
+    )
+    if name in dis.opmap
+)
+"""The instructions `_transfer` records as a write by their opcode alone."""
+_BINARY_OP = dis.opmap.get("BINARY_OP")
+_IN_PLACE = frozenset(i for i, (_, symbol) in enumerate(getattr(dis, "_nb_ops", ())) if symbol.endswith("="))
+"""BINARY_OP's arguments for `+=` and its kind (empty where this Python does not list them: then every
+BINARY_OP may be one)."""
+_CALLED = CONTAINER_METHODS | {"print"}
+
+
+def _may_store(code: types.CodeType) -> bool:
+    """False only when `stores(code)` is empty: no instruction that `_transfer` records is in the
+    bytecode (a call it records names a container method or `print` in `co_names`). A pass over the raw
+    bytes, where the analysis disassembles: most frames a capture judges write nothing (104 of a tiny
+    GPT's 120), and a fresh process reads each once."""
+    if not _CALLED.isdisjoint(code.co_names):
+        return True
+    raw = code.co_code  # (2-byte units, opcode first; the unspecialised, uninstrumented bytecode)
+    opcodes = raw[0::2]
+    if not _STORE_OPCODES.isdisjoint(opcodes):
+        return True
+    if _BINARY_OP is None or _BINARY_OP not in opcodes:
+        return False
+    return not _IN_PLACE or any(op == _BINARY_OP and arg in _IN_PLACE for op, arg in zip(opcodes, raw[1::2]))
+
+
 @functools.lru_cache(maxsize=4096)
 def stores(code: types.CodeType) -> dict[int, Store]:
     """Offset -> the write the instruction at that offset makes, for every write in `code`."""
+    if not _may_store(code):
+        return {}
     instructions = list(dis.get_instructions(code))
     index = {ins.offset: i for i, ins in enumerate(instructions)}
     entry: dict[int, list] = {}
