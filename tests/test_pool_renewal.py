@@ -12,6 +12,7 @@ allocator's count: a pool that a capture stopped by a host sync leaves behind is
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 
 import pytest
@@ -70,6 +71,7 @@ def backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # (all free)
     noop = lambda *a: None  # noqa: E731
     monkeypatch.setattr(cuda, "_allocator_calls", lambda: (noop, noop, noop))
     b = CudaGraphBackend.__new__(CudaGraphBackend)
@@ -207,6 +209,7 @@ def device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # (all free)
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     monkeypatch.setattr(cuda, "_allocator_calls", lambda: (dev.begin, dev.end, dev.release))
     b = CudaGraphBackend.__new__(CudaGraphBackend)
@@ -370,3 +373,14 @@ def test_no_pool_abandoned_moves_nothing_and_syncs_nothing(device, monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: pytest.fail("no snapshot needed"))
     capture(device)  # captured: its pool stays the step's
     assert not device.stranded and stranded.move_out(device, [torch.ones(2)]) == 0
+
+
+@pytest.mark.parametrize("free_of_total", [0.2, 0.5])
+def test_a_full_collection_before_a_capture_only_when_the_device_is_short(free_of_total, monkeypatch):
+    """A collection of the younger generations before every capture (milliseconds); a full one, which
+    frees what dead reference cycles hold, only with less than a quarter of the device free."""
+    collected = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free_of_total * 2**30), 2**30))
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
+    cuda._collect_garbage(0)
+    assert collected == ([1, 2] if free_of_total < 0.25 else [1])
