@@ -292,11 +292,21 @@ class Census:
             return True
         if type(obj) in _TENSOR_TYPES or not gc.is_tracked(obj) or key in self._moved:
             return False
-        if key not in self._young:  # made after the last listing, or old
+        if key not in self._young and not self._made_lately(obj):  # made after the last listing, or old
             self._young = _young_ids()
             if key not in self._young:
                 self._old[key] = obj
                 return True
+        return False
+
+    def _made_lately(self, obj: Any) -> bool:
+        """`obj` is among the objects the youngest generation gained since the last listing (it keeps
+        them in the order they were made: the newest last). Most objects a step writes were just made."""
+        for young in reversed(gc.get_objects(0)):
+            if young is obj:
+                return True
+            if id(young) in self._young:  # reached the last listing (or an address it knew, reused)
+                return False
         return False
 
     def _collecting(self, phase: str, info: dict) -> None:
