@@ -242,7 +242,8 @@ class Census:
     the collector tracks is new when it is there, or was there when a collection of its own moved it
     on (a callback notes those first), and old otherwise. Nothing is listed up front (a list of the
     process's 300,000 objects and a set of their ids cost a tiny GPT's capture 50-100 ms): a question
-    lists the young objects, a few thousand, and only when the last listing does not answer it. An
+    looks among the newest objects first, then lists the young ones, a few thousand, when neither that
+    nor the last listing answers it (an old object, asked about once). An
     object found old is held from then on, so that nothing made later takes its address. Where the
     collector does not empty its younger generations that way (a free-threaded build, a Python whose
     collector is incremental), the census is a set of the ids of all objects, which are held."""
