@@ -28,10 +28,10 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from method_processes import failure, rows_line, run_each
 
 METHODS = ["eager", "graphstep", "eager_nocheck", "graphstep_nocheck"]
 WARMUP, TIMED, BATCH = 10, 50, 16
@@ -114,7 +114,7 @@ def one(method: str) -> dict:
         stats = step.stats
         row.update(captures=stats.captures, replays=stats.replays, eager_calls=stats.eager_calls)
         step.close()
-    print("ROW " + json.dumps(row), flush=True)
+    print(rows_line(row), flush=True)
     return row
 
 
@@ -133,29 +133,15 @@ def main() -> None:
 
     import torch
 
+    from graphstep.bench.report import gpu_slug
+
     start, rows = time.monotonic(), []
-    for port, method in enumerate(METHODS, start=29631):
-        left = a.budget - (time.monotonic() - start)
-        if left < 15:
-            rows.append({"method": method, "skipped": "time budget spent"})
+    for method, found, why in run_each(__file__, METHODS, a.budget, first_port=29631, min_left_s=15):
+        if found is None:
+            rows.append({"method": method, "skipped": why})
             continue
-        env = {**os.environ, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-        try:
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", method],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=left,
-            )
-            stdout, why = done.stdout, (done.stderr or done.stdout)[-1500:]
-        except subprocess.TimeoutExpired as e:
-            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            why = f"timed out after {left:.0f} s"
-        found = [json.loads(x[4:]) for x in stdout.splitlines() if x.startswith("ROW ")]
-        row = found[0] if found else {"method": method, "error": why}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(found[0] if found else {"method": method, "error": why})
+        print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name()
     meta = {
         "gpu": gpu,
@@ -173,8 +159,7 @@ def main() -> None:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    card = next((w.lower() for w in gpu.split() if w[:1] in "HABL" and w[1:].isdigit()), "gpu")
-    stem = f"{card}_{meta['date']}_deepspeed-step"
+    stem = f"{gpu_slug(gpu)}_{meta['date']}_deepspeed-step"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# DeepSpeed ZeRO-2 bf16 engine, one step ({gpu}, torch {meta['torch']}, deepspeed "
@@ -189,8 +174,7 @@ def main() -> None:
     ]
     for r in rows:
         if "step_ms" not in r:
-            why = r.get("skipped") or " ".join(r.get("error", "").split())[-300:]
-            lines.append(f"| {r['method']} | - | - | - | {why} |")
+            lines.append(f"| {r['method']} | - | - | - | {failure(r, 300)} |")
             continue
         graphs = f"{r['captures']} / {r['replays']}" if "captures" in r else "-"
         lines.append(

@@ -27,10 +27,11 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from method_processes import failure, rows_line, run_each
 
 HERE = Path(__file__).resolve().parent
 MODELS = ["llama3", "deepseek_v3"]
@@ -112,7 +113,7 @@ def one(method: str) -> list[dict]:
             logging.getLogger("graphstep").removeHandler(said)
             captured.close()
         rows.append(row)
-        print("ROW " + json.dumps(row), flush=True)
+        print(rows_line(row), flush=True)
         del t, step, captured, call
         gc.collect()
         torch.cuda.empty_cache()
@@ -135,32 +136,17 @@ def main() -> None:
 
     import torch
 
+    from graphstep.bench.report import gpu_slug
+
     start, rows = time.monotonic(), []
-    for port, method in enumerate(METHODS, start=29611):
-        left = a.budget - (time.monotonic() - start)
-        if left < 10:
-            rows += [{"model": m, "method": method, "skipped": "time budget spent"} for m in MODELS]
+    for method, found, why in run_each(__file__, METHODS, a.budget, first_port=29611, min_left_s=10):
+        if found is None:
+            rows += [{"model": m, "method": method, "skipped": why} for m in MODELS]
             continue
-        env = {**os.environ, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-        try:
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", method],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=left,
-            )
-            stdout, why = done.stdout, (done.stderr or done.stdout)[-1500:]
-        except subprocess.TimeoutExpired as e:
-            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            why = f"timed out after {left:.0f} s"
-        found = {
-            r["model"]: r for r in (json.loads(x[4:]) for x in stdout.splitlines() if x.startswith("ROW "))
-        }
+        by_model = {r["model"]: r for r in found}
         for m in MODELS:
-            row = found.get(m, {"model": m, "method": method, "error": why})
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(by_model.get(m, {"model": m, "method": method, "error": why}))
+            print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name()
     meta = {
         "gpu": gpu,
@@ -175,8 +161,7 @@ def main() -> None:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    card = next((w.lower() for w in gpu.split() if w[:1] in "HABL" and w[1:].isdigit()), "gpu")
-    stem = f"{card}_{meta['date']}_torchtitan-step"
+    stem = f"{gpu_slug(gpu)}_{meta['date']}_torchtitan-step"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# torchtitan debug models, one step ({gpu}, torch {meta['torch']}, torchtitan {meta['torchtitan']}, "
@@ -189,8 +174,7 @@ def main() -> None:
     ]
     for r in rows:
         if "step_ms" not in r:
-            why = r.get("skipped") or " ".join(r.get("error", "").split())[-200:]
-            lines.append(f"| {r['model']} | {r['method']} | - | - | - | {why} |")
+            lines.append(f"| {r['model']} | {r['method']} | - | - | - | {failure(r, 200)} |")
             continue
         graphs = f"{r['captures']} / {r['graph_breaks']}" if "captures" in r else "-"
         lines.append(
