@@ -23,15 +23,13 @@ Writes `<out>/<gpu>_<date>_deepspeed-step.{json,md}`. Whole run < 3 minutes on o
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import statistics
 import time
-from pathlib import Path
 
-from method_processes import failure, rows_line, run_each
+from method_processes import arguments, failure, rows_line, run_each, write
 
 METHODS = ["eager", "graphstep", "eager_nocheck", "graphstep_nocheck"]
 WARMUP, TIMED, BATCH = 10, 50, 16
@@ -119,13 +117,7 @@ def one(method: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--budget", type=float, default=170.0, help="seconds for all methods together")
-    parser.add_argument("--one", metavar="METHOD", help=argparse.SUPPRESS)
-    a = parser.parse_args()
+    a = arguments(__doc__, budget_s=170.0)
     if a.one:
         one(a.one)
         return
@@ -157,10 +149,6 @@ def main() -> None:
         "timed": TIMED,
         "wall_s": round(time.monotonic() - start, 1),
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{gpu_slug(gpu)}_{meta['date']}_deepspeed-step"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# DeepSpeed ZeRO-2 bf16 engine, one step ({gpu}, torch {meta['torch']}, deepspeed "
         f"{meta['deepspeed']}, {meta['date']})",
@@ -180,8 +168,7 @@ def main() -> None:
         lines.append(
             f"| {r['method']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | {r['peak_mib']:.0f} | {graphs} |"
         )
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(a.out, f"{gpu_slug(gpu)}_{meta['date']}_deepspeed-step", meta, rows, lines)
 
 
 if __name__ == "__main__":

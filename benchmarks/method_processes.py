@@ -7,12 +7,24 @@ dynamo caches or graphs is left for the next, and a method that hangs costs only
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
+
+
+def arguments(doc: str, budget_s: float) -> argparse.Namespace:
+    """The scripts' command line: `--out`, `--budget` (seconds for all methods together), and the
+    hidden `--one METHOD` of the process that measures one method."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--budget", type=float, default=budget_s, help="seconds for all methods together")
+    parser.add_argument("--one", metavar="METHOD", help=argparse.SUPPRESS)
+    return parser.parse_args()
 
 
 def rows_line(row: dict) -> str:
@@ -50,3 +62,12 @@ def run_each(
 def failure(row: dict, width: int) -> str:
     """A table cell for a row that did not run: why, its last `width` characters on one line."""
     return row.get("skipped") or " ".join(row.get("error", "").split())[-width:]
+
+
+def write(out: str, stem: str, meta: dict, rows: list[dict], lines: list[str]) -> None:
+    """`<out>/<stem>.json` (meta and rows) and `.md` (the lines), and the lines printed."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (folder / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

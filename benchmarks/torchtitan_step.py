@@ -21,7 +21,6 @@ skips the last methods if not; each row says so):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
@@ -31,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from method_processes import failure, rows_line, run_each
+from method_processes import arguments, failure, rows_line, run_each, write
 
 HERE = Path(__file__).resolve().parent
 MODELS = ["llama3", "deepseek_v3"]
@@ -122,13 +121,7 @@ def one(method: str) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--budget", type=float, default=85.0, help="seconds for all methods together")
-    parser.add_argument("--one", metavar="METHOD", help=argparse.SUPPRESS)
-    a = parser.parse_args()
+    a = arguments(__doc__, budget_s=85.0)
     if a.one:
         one(a.one)
         return
@@ -159,10 +152,6 @@ def main() -> None:
         "timed": TIMED,
         "wall_s": round(time.monotonic() - start, 1),
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{gpu_slug(gpu)}_{meta['date']}_torchtitan-step"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# torchtitan debug models, one step ({gpu}, torch {meta['torch']}, torchtitan {meta['torchtitan']}, "
         f"{meta['date']})",
@@ -180,8 +169,7 @@ def main() -> None:
         lines.append(
             f"| {r['model']} | {r['method']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | {r['peak_mib']:.0f} | {graphs} |"
         )
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(a.out, f"{gpu_slug(gpu)}_{meta['date']}_torchtitan-step", meta, rows, lines)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,12 @@ def test_each_method_runs_in_its_own_process_within_the_budget(tmp_path):
     assert got["c"] == (None, "time budget spent"), "the hang spent the budget: c is not started"
     assert driver.failure({"method": "c", "skipped": "time budget spent"}, 10) == "time budget spent"
     assert driver.failure({"error": "a\nlong   error text"}, 10) == "error text"
+
+
+def test_the_rows_are_written_as_json_and_markdown(tmp_path, capsys):
+    driver.write(
+        str(tmp_path / "out"), "h100_2026-11-27_x", {"gpu": "H100"}, [{"method": "a"}], ["# x", "| a |"]
+    )
+    assert (tmp_path / "out" / "h100_2026-11-27_x.md").read_text() == "# x\n| a |\n"
+    assert '"rows"' in (tmp_path / "out" / "h100_2026-11-27_x.json").read_text()
+    assert "| a |" in capsys.readouterr().out
