@@ -6,9 +6,12 @@ runs its warm-ups, its capture (with every watch on the step's Python: writes, r
 and replays. This runs both on the gpt suite's workloads (the demo GPT, tiny and GPT-2 small, as the
 bench builds them) and a transformers GPT-2 small, and splits graphstep's extra time into parts:
 
-- timed directly (wrapped, inclusive): the first call's setup (`StepContext.open`), the census of
-  objects (`values.Census`), the snapshot taken before a capture, the guard built after it
-  (`StateGuard`), the read watch's own work on entry and exit, the step's eager runs in warm-ups;
+- timed directly (wrapped, inclusive): the first call's setup (`StepContext.open`; on CUDA the backend
+  made and cuBLAS primed in it), the census of objects (`values.Census`), the garbage collection before
+  a capture, the write watch's bytecode reading, the snapshot taken before a capture, the guard built
+  after it (`StateGuard`), the read watch's own work on entry and exit, the step's eager runs in
+  warm-ups, the backend's capture and the CUDA graph's begin and end;
+- the workload's first run in the process, apart (a fresh process's first capture pays more);
 - by leaving one watch out (a fresh step each): the write watch (census + opcode tracing), the read
   watch (its profile function in the probing warm-ups and at capture), the host random watch.
 
@@ -213,8 +216,8 @@ def timed_parts(device: torch.device) -> Iterator[Parts]:
         (output_ring, "prepare", "output ring prepared"),
         (output_ring, "record", "output ring recorded"),
         (sig, "replayable_outputs", "outputs described"),
+        (targets, "stores", "write watch: bytecode read (targets.stores)"),
     ]
-    optional += [(targets, "stores", "write watch: bytecode read (targets.stores)")]
     if device.type == "cuda":
         optional += [
             (torch.cuda.CUDAGraph, "capture_begin", "CUDAGraph.capture_begin"),
@@ -411,9 +414,8 @@ def markdown(result: dict[str, Any]) -> str:
         names = list(
             dict.fromkeys(k for t in row["tracers"].values() for k in (*t["graphstep"], *t["watch costs"]))
         )
-        first = row.get(
-            "first", {}
-        )  # this workload's first run, default tracer (the first workload's: the process's)
+        # This workload's first run, default tracer (the first workload's is the process's first capture).
+        first = row.get("first", {})
         columns = [*row["tracers"], "first run"] if first else list(row["tracers"])
         lines += ["| part | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
         for key in names:
