@@ -47,9 +47,8 @@ def unowned(t: torch.Tensor) -> torch.Tensor:
     replay writes and reads it in capture order, within the replay, as a graph does its scratch. The
     pool keeps the memory for the step's graphs."""
     storage = t.untyped_storage()
-    borrowed = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        borrowed, t.storage_offset(), t.size(), t.stride()
+    return _over(
+        t, torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
     )
 
 
@@ -60,8 +59,14 @@ def alias(t: torch.Tensor) -> torch.Tensor:
     other reference held to it: accumulating a parameter's gradient into a `.grad` that is None, it makes
     `t` the `.grad` (as eager's autograd takes the fresh gradient) instead of a copy of it in the graph's
     pool, which held every segment parameter's gradient twice at the step's peak (issue 42)."""
-    other = torch.empty(0, dtype=t.dtype, device=t.device)
-    return other.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return _over(t, t.untyped_storage())
+
+
+def _over(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """A new tensor of `t`'s dtype, offset, shape and strides over `storage`."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        storage, t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def onto_buffers(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
