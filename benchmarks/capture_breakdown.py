@@ -48,6 +48,7 @@ import torch
 import graphstep
 from graphstep import capturing, effects, lifecycle, step_context
 from graphstep import signature as sig
+from graphstep.backends import cuda as cuda_backend
 from graphstep.backends import output_ring
 from graphstep.backends.base import HostBackend
 from graphstep.backends.cuda import CudaGraphBackend
@@ -223,7 +224,7 @@ def timed_parts(device: torch.device) -> Iterator[Parts]:
             (torch.cuda.CUDAGraph, "capture_begin", "CUDAGraph.capture_begin"),
             (torch.cuda.CUDAGraph, "capture_end", "CUDAGraph.capture_end"),
             (CudaGraphBackend, "__init__", "setup: backend made (CudaGraphBackend)"),
-            (CudaGraphBackend, "_prime_library_workspaces", "setup: cuBLAS workspaces primed"),
+            (cuda_backend, "_prime_library_workspaces", "setup: cuBLAS workspaces primed"),
         ]
     for owner, attribute, part in optional:
         if attribute in vars(owner):  # (an older graphstep may lack it)

@@ -101,6 +101,41 @@ def _collect_garbage(index: int) -> None:
         gc.collect()
 
 
+class _HandleInBackward(torch.autograd.Function):
+    """Identity whose backward asks for autograd's device thread's cuBLAS handle on the forward's stream."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad + 0  # a kernel first: it makes the device's context current on this thread
+        torch.cuda.current_blas_handle()
+        return grad
+
+
+def _prime_library_workspaces(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Make cuBLAS allocate `stream`'s workspaces now, outside any pool.
+
+    cuBLAS keeps one workspace per handle and stream for the life of the process (32 MiB on Hopper, or
+    as CUBLAS_WORKSPACE_CONFIG says), and cuBLASLt one more (1 MiB). Made during a warm-up they would
+    sit in the pool for good, and `close()` could never give the pool back. The forward runs on this
+    thread, the backward on autograd's device thread: each has its own handle. Asking for a handle makes
+    its workspace; only the cuBLASLt one needs a product (a linear layer with a bias), made in bfloat16,
+    the usual autocast type, where the device has it: it loads kernels a model under autocast loads too
+    (priming with float32 products cost a fresh process 0.16-0.20 s on an H200, most of a tiny GPT's
+    time to steady state beyond a hand-written graph's).
+    """
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        torch.cuda.current_blas_handle()
+        _HandleInBackward.apply(torch.zeros(1, device=device, requires_grad=True)).sum().backward()
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
+        w = torch.zeros(8, 8, device=device, dtype=dtype)
+        torch.nn.functional.linear(w, w, w[0])
+    stream.synchronize()
+
+
 class CudaGraphBackend:
     """CUDA graphs in one private memory pool, with warm-up on the capture stream inside it."""
 
@@ -124,7 +159,7 @@ class CudaGraphBackend:
         self.stranded: list[tuple[int, int]] = []  # pools a failed capture abandoned, no graph in them
         self.users = 0
         """Captured steps using this backend (`capture(share_pool_with=...)`); close() at the last."""
-        self._prime_library_workspaces()
+        _prime_library_workspaces(self.device, self.stream)
         # Allocated now: after a capture that ran out of memory, `_end_generator_capture` must not
         # allocate inside its capture (a failure there would leave the stream capturing).
         self._draw = torch.empty(1, device=device)
@@ -135,20 +170,6 @@ class CudaGraphBackend:
         begin(self.index, pool)
         end(self.index, pool)
         return pool
-
-    def _prime_library_workspaces(self) -> None:
-        """Make cuBLAS allocate this stream's workspaces now, outside the pool.
-
-        cuBLAS keeps one workspace per stream for the life of the process (32 MiB with
-        CUBLAS_WORKSPACE_CONFIG=:4096:8). Created during warm-up it would sit in the pool
-        forever and `close()` could never give the pool back.
-        """
-        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
-            w = torch.ones(8, 8, device=self.device, requires_grad=True)
-            # Forward runs on this thread, backward on autograd's device thread: each has
-            # its own cuBLAS handle, hence its own workspace. Linear with a bias takes cuBLASLt.
-            (torch.mm(w, w).sum() + torch.nn.functional.linear(w, w, w[0]).sum()).backward()
-        self.stream.synchronize()
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:
