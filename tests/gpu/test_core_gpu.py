@@ -210,3 +210,36 @@ def test_stats_count_every_call_once():
     assert s.warmup_calls + s.replays == 7 and s.captures == 1
     assert s.capture_s > 0 and s.warmup_s > 0 and s.replay_s > 0
     step.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_priming_makes_every_workspace_a_step_on_its_stream_needs(dtype):
+    """After `_prime_library_workspaces` on a fresh stream, a linear layer's forward and backward there
+    (cuBLAS on this thread and on autograd's, cuBLASLt for the bias) keeps nothing more allocated: had a
+    workspace been left to the step, a warm-up would make it inside the pool, for good. And no warning
+    (autograd's thread asked for its handle before it had a CUDA context: torch warns then)."""
+    import warnings
+
+    from graphstep.backends.cuda import _prime_library_workspaces
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        pytest.skip("this torch cannot drop cuBLAS's workspaces: a stream may have its own already")
+    stream, device = torch.cuda.Stream(), torch.device("cuda", torch.cuda.current_device())
+    gc.collect()  # no graph of an earlier test left to use a workspace dropped here
+    torch.cuda.synchronize()
+    clear()
+    before = torch.cuda.memory_allocated()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _prime_library_workspaces(device, stream)
+    primed = torch.cuda.memory_allocated()
+    assert not caught, [str(w.message) for w in caught]
+    assert primed - before >= 2 * 4096 * 8 * 1024, "two cuBLAS workspaces (CUBLAS_WORKSPACE_CONFIG=:4096:8)"
+    with torch.cuda.stream(stream):
+        x = torch.randn(64, 32, device=device, dtype=dtype, requires_grad=True)
+        layer = torch.nn.Linear(32, 16, device=device, dtype=dtype)
+        layer(x).sum().backward()
+        del x, layer
+    stream.synchronize()
+    assert torch.cuda.memory_allocated() == primed, "the step made a workspace of its own"
