@@ -384,3 +384,37 @@ def test_a_full_collection_before_a_capture_only_when_the_device_is_short(free_o
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
     cuda._collect_garbage(0)
     assert collected == ([1, 2] if free_of_total < 0.25 else [1])
+
+
+@pytest.mark.parametrize("torch_has", ["pool and history", "pool", "neither"])
+def test_pool_ranges_lists_one_pool_without_the_history_where_torch_can(torch_has, monkeypatch):
+    """`pool_ranges` (each capture boundary, `stats.pool_bytes`, moving tensors out of an abandoned pool)
+    asks the allocator for one pool's segments without its recorded history where this torch's
+    `memory_snapshot` takes those arguments, and picks the same segments from a full listing elsewhere."""
+    listing = [
+        {"device": 0, "address": 100, "total_size": 10, "segment_pool_id": (0, 7)},
+        {"device": 0, "address": 200, "total_size": 20, "segment_pool_id": (0, 0)},
+        {"device": 1, "address": 300, "total_size": 30, "segment_pool_id": (0, 7)},
+        {"device": 0, "address": 400, "total_size": 40, "segment_pool_id": (0, 8)},
+    ]
+    asked: list[dict] = []
+
+    def pool_and_history(mempool_id=None, include_traces=True):
+        asked.append({"mempool_id": mempool_id, "include_traces": include_traces})
+        return [s for s in listing if mempool_id is None or s["segment_pool_id"] == mempool_id]
+
+    def pool(mempool_id=None):
+        asked.append({"mempool_id": mempool_id})
+        return [s for s in listing if mempool_id is None or s["segment_pool_id"] == mempool_id]
+
+    def neither():
+        asked.append({})
+        return listing
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", {"pool and history": pool_and_history, "pool": pool,
+                                                         "neither": neither}[torch_has])  # fmt: skip
+    assert cuda.pool_ranges(0, [(0, 7)]) == [(100, 110)]
+    assert cuda.pool_ranges(0, [(0, 7), (0, 8)]) == [(100, 110), (400, 440)]
+    one_pool = {"mempool_id": (0, 7)} if torch_has != "neither" else {}
+    history = {"include_traces": False} if torch_has == "pool and history" else {}
+    assert asked == [{**one_pool, **history}, {"mempool_id": None, **history} if one_pool else {}]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -52,13 +53,28 @@ def _hand_back(index: int, pool: tuple[int, int], *, used: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def pool_ranges(index: int, pools: Collection[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) of each segment the allocator holds for one of `pools` on device `index`.
+
+    Listed without the allocation history, and of the one pool alone, where this torch can (2.8 on, the
+    history from 2.10 on): while a user records the allocator's history (`_record_memory_history`), a full
+    listing converts every entry of it, seconds with a long one, at each capture's boundary."""
+    pools = {tuple(p) for p in pools}
+    arguments = inspect.signature(torch.cuda.memory_snapshot).parameters
+    options: dict[str, Any] = {"include_traces": False} if "include_traces" in arguments else {}
+    alone = next(iter(pools)) if len(pools) == 1 and "mempool_id" in arguments else None
+    if alone is not None:
+        options["mempool_id"] = alone
+    return [
+        (s["address"], s["address"] + s["total_size"])
+        for s in torch.cuda.memory_snapshot(**options)
+        if s.get("device", index) == index and tuple(s.get("segment_pool_id", alone or ())) in pools
+    ]
+
+
 def _pool_members(index: int, pool: tuple[int, int], tensors: list[torch.Tensor]) -> list[bool]:
     """Which of `tensors` live in `pool` on device `index` now (one listing of the allocator's segments)."""
-    ranges = [
-        (s["address"], s["address"] + s["total_size"])
-        for s in torch.cuda.memory_snapshot()
-        if s.get("device", index) == index and tuple(s.get("segment_pool_id", ())) == tuple(pool)
-    ]
+    ranges = pool_ranges(index, [pool])
     return [
         t.device.type == "cuda" and any(a <= t.untyped_storage().data_ptr() < b for a, b in ranges)
         for t in tensors
@@ -363,8 +379,7 @@ class CudaGraphBackend:
         return empty_like_strided(like)
 
     def pool_bytes(self) -> int:
-        snapshot = torch.cuda.memory_snapshot()
-        return sum(s["total_size"] for s in snapshot if tuple(s.get("segment_pool_id", ())) == self.pool)
+        return sum(end - start for start, end in pool_ranges(self.index, [self.pool])) if self.pool else 0
 
     def close(self) -> None:
         # Graphs were reset already; dropping the last reference makes the pool's memory

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .cuda import pool_ranges
+
 
 def move_out(backend: Any, tensors: list[torch.Tensor]) -> int:
     """After a failed capture: copy those of `tensors` (the training state's, `TrainingState.tensors_kept`)
@@ -25,12 +27,7 @@ def move_out(backend: Any, tensors: list[torch.Tensor]) -> int:
     if not backend.stranded:
         return 0
     pools, backend.stranded = set(backend.stranded), []
-    ranges = [
-        (s["address"], s["address"] + s["total_size"])
-        for s in torch.cuda.memory_snapshot()
-        if s.get("device", backend.index) == backend.index and tuple(s.get("segment_pool_id", ())) in pools
-    ]
-    groups = storages_within(ranges, tensors)
+    groups = storages_within(pool_ranges(backend.index, pools), tensors)
     if not groups:
         return 0
     torch.cuda.synchronize(backend.index)
