@@ -418,3 +418,28 @@ def test_pool_ranges_lists_one_pool_without_the_history_where_torch_can(torch_ha
     one_pool = {"mempool_id": (0, 7)} if torch_has != "neither" else {}
     history = {"include_traces": False} if torch_has == "pool and history" else {}
     assert asked == [{**one_pool, **history}, {"mempool_id": None, **history} if one_pool else {}]
+
+
+def test_an_empty_part_is_not_replayed_and_not_warned_of_and_other_warnings_pass_on():
+    """torch warns of an empty graph as of a capture on the wrong stream; a part of a step after its last
+    eager segment is empty by design. `_end_capture` tells it, swallows that warning alone."""
+    import warnings
+
+    class Graph:
+        def __init__(self, *messages: str) -> None:
+            self.messages, self.ended = messages, False
+
+        def capture_end(self) -> None:
+            self.ended = True
+            for message in self.messages:
+                warnings.warn(message, UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        empty = Graph(
+            "The CUDA Graph is empty. This usually means that the graph was attempted to be captured"
+        )
+        assert cuda._end_capture(empty) and empty.ended
+        assert not cuda._end_capture(Graph())
+        assert not cuda._end_capture(Graph("something else"))
+    assert [str(w.message) for w in caught] == ["something else"]

@@ -257,9 +257,11 @@ def test_schedulers_update_the_lr_with_no_recapture(model, name):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_one_cycle_with_momentum_cycling_recaptures_and_equals_eager(model):
+def test_one_cycle_with_momentum_cycling_recaptures_and_equals_eager(model, recwarn):
     """cycle_momentum=True changes betas/momentum, Python floats baked into the graph, every step:
-    the guards capture again each time. Correct, but slow: prefer cycle_momentum=False."""
+    the guards capture again each time. Correct, but slow: prefer cycle_momentum=False. The optimizer
+    step ends up in an eager segment, after which the step launches nothing: that empty part is neither
+    replayed nor warned of (torch's warning says "captured on wrong device or stream")."""
     make_model, data = MODELS[model]
 
     def one_cycle(opt):
@@ -272,6 +274,7 @@ def test_one_cycle_with_momentum_cycling_recaptures_and_equals_eager(model):
         config=graphstep.Config(max_recaptures=2 * N_STEPS),
         captures=None,
     )
+    assert not [w for w in recwarn if "CUDA Graph is empty" in str(w.message)]
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import warnings
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -79,6 +80,27 @@ def _pool_members(index: int, pool: tuple[int, int], tensors: list[torch.Tensor]
         t.device.type == "cuda" and any(a <= t.untyped_storage().data_ptr() < b for a, b in ranges)
         for t in tensors
     ]
+
+
+def _nothing() -> None:
+    pass
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph) -> bool:
+    """End `graph`'s capture: True when it captured no work. torch warns of an empty graph as of one
+    captured on the wrong device or stream; between two eager segments of a step, or after the last one
+    (an optimizer step run eagerly, then `zero_grad`), a part is empty by design: it is not replayed (its
+    random generators' offsets advance by nothing) and not warned of. Other warnings pass on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph.capture_end()
+    empty = False
+    for warning in caught:
+        if str(warning.message).startswith("The CUDA Graph is empty"):
+            empty = True
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return empty
 
 
 @contextlib.contextmanager
@@ -260,6 +282,7 @@ class CudaGraphBackend:
         split_in_backward: bool = False,
     ) -> Recording:
         graphs: list[torch.cuda.CUDAGraph] = []
+        empty: set[int] = set()  # parts that captured no work
         capturing = False
         # A part begun in autograd's backward thread (an eager segment's backward) ends in the
         # caller's: CUDA lets only a "relaxed" capture end on another thread than it began on.
@@ -277,7 +300,8 @@ class CudaGraphBackend:
         def end_part() -> None:
             nonlocal capturing
             capturing = False
-            graphs[-1].capture_end()
+            if _end_capture(graphs[-1]):
+                empty.add(len(graphs) - 1)
 
         torch.cuda.synchronize(self.index)
         _collect_garbage(self.index)
@@ -325,7 +349,8 @@ class CudaGraphBackend:
                     # rank whose peer failed its capture, a signature given up), capture anew.
                     self.renew_pool()
 
-        recording = PartsRecording([graph.replay for graph in graphs], release)
+        parts = [_nothing if i in empty else graph.replay for i, graph in enumerate(graphs)]
+        recording = PartsRecording(parts, release)
         recording.segment_context = functools.partial(_segments_at_replay, self)
         recording.cuda_graphs = graphs
         recording.outputs = outputs
