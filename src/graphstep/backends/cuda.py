@@ -57,9 +57,10 @@ def _hand_back(index: int, pool: tuple[int, int], *, used: bool) -> None:
 def pool_ranges(index: int, pools: Collection[tuple[int, int]]) -> list[tuple[int, int]]:
     """[start, end) of each segment the allocator holds for one of `pools` on device `index`.
 
-    Listed without the allocation history, and of the one pool alone, where this torch can (2.8 on, the
-    history from 2.10 on): while a user records the allocator's history (`_record_memory_history`), a full
-    listing converts every entry of it, seconds with a long one, at each capture's boundary."""
+    Listed of the one pool alone and without the allocator's recorded history where this torch's
+    `memory_snapshot` takes those arguments (`mempool_id`, `include_traces`): while a user records the
+    history (`_record_memory_history`), a full listing converts every entry of it, seconds with a long
+    one, at each boundary of a capture."""
     pools = {tuple(p) for p in pools}
     arguments = inspect.signature(torch.cuda.memory_snapshot).parameters
     options: dict[str, Any] = {"include_traces": False} if "include_traces" in arguments else {}
