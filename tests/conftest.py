@@ -23,7 +23,8 @@ def pytest_terminal_summary(terminalreporter):
 # The files whose tests import a framework or a large package (the config libraries, pytorch-optimizer
 # and with it transformers, matplotlib, Lightning) run last, in this order: an import stays for the rest
 # of the process, and its objects stay too (until 2026-11-27 every capture's census listed them all; the
-# collector's full collections still walk them). Their modules import none of it when collected. The order of the others is kept.
+# collector's full collections still walk them). Their modules import none of it when collected. The order
+# of the others is kept.
 LAST = (
     "test_guards_configs",
     "test_optim_python_state",

@@ -8,10 +8,10 @@ that forks asks for the server here, with one list, whichever comes first (tests
 distributed tests' ranks, tests/test_examples.py for the examples).
 
 The frameworks the examples train with are not preloaded: a rank forked from a server holding them
-carries them too, and every capture's census of live objects cost more (measured when the census listed
-them: more CPU for the distributed tests than the examples saved). Without CUDA only: a module that initialised CUDA while
-imported would leave every child (the NCCL ranks of tests/gpu) with a CUDA it cannot use, so with
-CUDA the server preloads torch and torch.distributed, as before. Nothing of graphstep is preloaded:
+carries them too, and every capture's census of live objects cost more (measured when the census
+listed them: more CPU for the distributed tests than the examples saved). Without CUDA only: a module
+that initialised CUDA while imported would leave every child (the NCCL ranks of tests/gpu) with a CUDA
+it cannot use, so with CUDA the server preloads torch and torch.distributed, as before. Nothing of graphstep is preloaded:
 importing it reads the environment, which each child sets first.
 """
 

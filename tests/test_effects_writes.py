@@ -333,9 +333,8 @@ def test_the_census_knows_what_existed(by_generation, monkeypatch):
         asked.clear()
         del tensor, gone
         assert dropped_tensor() is None, "a tensor dropped while the step runs frees its memory"
-        made = [
-            Thing() for _ in range(2000)
-        ]  # may take the address of `gone`, never that of the one `asked` held
+        # These may take the address of `gone`, never that of the one `asked` held.
+        made = [Thing() for _ in range(2000)]
         assert not any(census.existed(m) for m in made)
         gc.collect()  # moves what the step made into the oldest generation
         later = Thing()

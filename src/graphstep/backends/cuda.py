@@ -62,7 +62,7 @@ def pool_ranges(index: int, pools: Collection[tuple[int, int]]) -> list[tuple[in
     history (`_record_memory_history`), a full listing converts every entry of it, seconds with a long
     one, at each boundary of a capture."""
     pools = {tuple(p) for p in pools}
-    arguments = inspect.signature(torch.cuda.memory_snapshot).parameters
+    arguments = _parameters(torch.cuda.memory_snapshot)
     options: dict[str, Any] = {"include_traces": False} if "include_traces" in arguments else {}
     alone = next(iter(pools)) if len(pools) == 1 and "mempool_id" in arguments else None
     if alone is not None:
@@ -72,6 +72,12 @@ def pool_ranges(index: int, pools: Collection[tuple[int, int]]) -> list[tuple[in
         for s in torch.cuda.memory_snapshot(**options)
         if s.get("device", index) == index and tuple(s.get("segment_pool_id", alone or ())) in pools
     ]
+
+
+@functools.lru_cache(maxsize=4)
+def _parameters(fn: Callable) -> frozenset[str]:
+    """The names `fn` takes (`stats.pool_bytes` may be read every step: its signature is read once)."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _pool_members(index: int, pool: tuple[int, int], tensors: list[torch.Tensor]) -> list[bool]:
@@ -314,8 +320,9 @@ class CudaGraphBackend:
             with as_captured(), no_compiling(), counts_on_device(), self._on_capture_stream():
                 begin_part()
                 try:
-                    members = functools.partial(_pool_members, self.index, self.pool)
-                    outputs = body(Splitter(end_part, begin_part, False, members), *args, **kwargs)
+                    in_pool = functools.partial(_pool_members, self.index, self.pool)
+                    splitter = Splitter(end_part, begin_part, executes=False, in_pool=in_pool)
+                    outputs = body(splitter, *args, **kwargs)
                 except BaseException:
                     # End the failed capture so the stream is usable again; its own error
                     # (capture invalidated) says less than the step's, which propagates. A
@@ -383,7 +390,8 @@ class CudaGraphBackend:
         self.renew_pool()
         if routed:  # a host sync: its graph still held a reference to the pool
             _hand_back(self.index, old, used=used)
-        self.stranded += [] if used else [old]  # with no graph in it, its tensors move out (`stranded.py`)
+        if not used:  # with no graph in it, the tensors it still holds move out (`stranded.py`)
+            self.stranded.append(old)
 
     def renew_pool(self) -> None:
         """Start a fresh pool; the old one is freed once its graphs and tensors are gone.
